@@ -1,0 +1,88 @@
+"""The `twinfer` console script.
+
+Each command declares its options here (typer only needs the signature) and imports its
+implementation inside the body, so `twinfer --help` and `twinfer plan` never load torch or mlx.
+User errors (`TwinferError`) print as one line on stderr with a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from twinfer.runtime.errors import TwinferError
+
+app = typer.Typer(
+    name="twinfer",
+    help="One LLM inference runtime, two targets: fit a model on a laptop, make it fast on a GPU server.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Judge a model or a runner against a reference.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+ModelArg = Annotated[
+    Optional[str],  # noqa: UP045 - typer reads the annotation at run time
+    typer.Argument(help="GGUF file or Hugging Face model folder. Default: the embedded Gemma 3 270M Q4_K_M."),
+]
+BackendOpt = Annotated[
+    str, typer.Option("--backend", help="auto, llamacpp, torch or mlx (auto: llamacpp for GGUF, else torch).")
+]
+
+
+@app.command()
+def generate(
+    model_or_prompt: Annotated[str, typer.Argument(metavar="[MODEL] PROMPT", help="Optional model, then the prompt.")],
+    prompt: Annotated[Optional[str], typer.Argument(show_default=False, hidden=True)] = None,  # noqa: UP045
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 means greedy.")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.95,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: all).")] = 64,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for reproducible sampling.")] = None,  # noqa: UP045
+    backend: BackendOpt = "auto",
+    chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template.")] = True,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
+) -> None:
+    """Stream a completion of PROMPT to stdout."""
+    from twinfer.cli.generate_cmd import run_generate
+
+    model = model_or_prompt if prompt is not None else None
+    text = prompt if prompt is not None else model_or_prompt
+    run_generate(model, text, max_tokens, temperature, top_p, top_k, seed, backend, chat, threads)
+
+
+@eval_app.command("kl")
+def eval_kl(
+    model: ModelArg = None,
+    reference: Annotated[str, typer.Option("--reference", help="SPEC: llamacpp, torch, mlx, transformers or a model path.")] = "transformers",
+    candidate: Annotated[str, typer.Option("--candidate", help="SPEC: llamacpp, torch, mlx, transformers or a model path.")] = "torch",
+    corpus: Annotated[str, typer.Option("--corpus", help="prose, code, or a text file path.")] = "prose",
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens of the corpus to score.")] = 512,
+    window: Annotated[int, typer.Option("--window", help="Teacher-forced window length.")] = 256,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """KL(reference || candidate) of next-token distributions on the same token stream."""
+    from twinfer.cli.eval_cmd import run_eval_kl
+
+    run_eval_kl(model, reference, candidate, corpus, tokens, window, json_out)
+
+
+# -- commands added by later modules go below this line (keep each body a lazy import) ----------
+
+
+def main() -> None:
+    try:
+        app()
+    except TwinferError as exc:
+        print(f"twinfer: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("twinfer: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

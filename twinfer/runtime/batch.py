@@ -1,0 +1,89 @@
+"""What the engine hands a runner for one forward step, and what comes back.
+
+A step is a flat list of chunks, one per sequence: the new tokens of that sequence, the position of
+the first one, and the KV blocks that hold (or will hold) positions `[0, start + len(tokens))`.
+Prefill chunks and decode chunks mix freely in one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class LogitsWanted(Enum):
+    NONE = "none"  # a prefill chunk that is not the last one: only fill the KV cache
+    LAST = "last"  # the row to sample the next token from
+    ALL = "all"  # every position (teacher-forced evaluation, speculative verification)
+
+
+@dataclass
+class SeqChunk:
+    """The part of one sequence computed in this step."""
+
+    seq_id: int
+    tokens: list[int]
+    start: int  # position of tokens[0]
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in position order
+    logits: LogitsWanted = LogitsWanted.LAST
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError(f"sequence {self.seq_id}: a chunk needs at least one token")
+        if self.start < 0:
+            raise ValueError(f"sequence {self.seq_id}: negative start position {self.start}")
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def logit_rows(self) -> int:
+        return {LogitsWanted.NONE: 0, LogitsWanted.LAST: 1, LogitsWanted.ALL: len(self.tokens)}[self.logits]
+
+
+@dataclass
+class StepBatch:
+    """All chunks of one step. Logit rows come back in chunk order, then position order."""
+
+    chunks: list[SeqChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return sum(c.logit_rows for c in self.chunks)
+
+    def token_ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.tokens]
+
+    def positions(self) -> list[int]:
+        return [p for c in self.chunks for p in range(c.start, c.end)]
+
+    def logit_token_index(self) -> list[int]:
+        """Index into the flat token list of every row that needs logits."""
+        rows: list[int] = []
+        offset = 0
+        for c in self.chunks:
+            n = len(c.tokens)
+            if c.logits is LogitsWanted.LAST:
+                rows.append(offset + n - 1)
+            elif c.logits is LogitsWanted.ALL:
+                rows.extend(range(offset, offset + n))
+            offset += n
+        return rows
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        """Flat KV slot of every new token: block_table[pos // block_size] * block_size + pos % block_size."""
+        slots: list[int] = []
+        for c in self.chunks:
+            needed = -(-c.end // block_size)
+            if len(c.block_table) < needed:
+                raise ValueError(
+                    f"sequence {c.seq_id}: {len(c.block_table)} KV blocks cannot hold {c.end} positions"
+                )
+            for pos in range(c.start, c.end):
+                slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+        return slots

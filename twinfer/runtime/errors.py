@@ -1,0 +1,37 @@
+"""User-facing errors: each one carries a message that says what was wrong and what to do.
+
+The CLI prints a `TwinferError` as one line and exits non-zero; anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+
+class TwinferError(Exception):
+    """Base class of errors caused by the user's input or environment, not by a twinfer bug."""
+
+    exit_code = 2
+
+
+class ModelError(TwinferError):
+    """A model path, file or architecture twinfer cannot use."""
+
+
+class UnsupportedArchitecture(ModelError):
+    """The model's architecture (`model_type`) has no model file in twinfer/runtime/models."""
+
+
+class WeightError(ModelError):
+    """A tensor is missing, unused, or has the wrong shape."""
+
+
+class BackendUnavailable(TwinferError):
+    """The requested backend's library is not installed or cannot run here."""
+
+
+class RequestError(TwinferError):
+    """A generation request with invalid parameters."""
+
+
+class PlanError(TwinferError):
+    """A plan that does not fit, or planner input that makes no sense."""

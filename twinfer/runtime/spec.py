@@ -1,0 +1,150 @@
+"""ModelSpec: the architecture of a model as plain numbers.
+
+Loaders (GGUF, Hugging Face) produce it, model files read it, the planner does its arithmetic on it.
+It holds no weights and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from twinfer.runtime.errors import ModelError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek-style multi-head latent attention: K and V are cached as one compressed latent."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Mixture-of-experts feed-forward: `num_experts` routed experts, `top_k` per token."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool = True  # renormalize the top-k router weights to sum to 1
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    first_dense_layers: int = 0  # leading layers with a dense MLP instead of experts
+    router_softmax_before_topk: bool = True  # softmax over all experts, then top-k (Qwen3, Mixtral*)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One decoder-only transformer, described by the numbers every consumer needs.
+
+    `model_type` is the Hugging Face name of the architecture (`gemma3`, `llama`, `qwen3_moe`...):
+    it picks the model file in `twinfer/runtime/models/`.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    name: str = ""
+    max_position: int = 8192
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_local_theta: float | None = None  # sliding-window layers' rope base, when it differs
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen items of HF's rope_scaling
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer; empty means all FULL
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    embed_scale: bool = False  # Gemma multiplies embeddings by sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (default head_dim)
+    final_logit_softcap: float | None = None
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ModelError(f"model spec: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(
+                f"model spec: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelError(f"model spec: {len(self.layer_types)} layer types for {self.num_layers} layers")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ModelError("model spec: sliding-window layers need a sliding_window size")
+
+    # -- derived values ------------------------------------------------------------------------
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        return self.layer_types or (FULL,) * self.num_layers
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_dense_layers
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window of `layer` in tokens, or None for full attention."""
+        return self.sliding_window if self.attention_types[layer] == SLIDING else None
+
+    def rope_base(self, layer: int) -> float:
+        if self.attention_types[layer] == SLIDING and self.rope_local_theta:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    def rope_scaling_for(self, layer: int) -> dict[str, Any] | None:
+        # Gemma 3 scales only its global layers' rope; local layers keep the plain base.
+        if self.rope_scaling is None or (self.rope_local_theta and self.attention_types[layer] == SLIDING):
+            return None
+        return dict(self.rope_scaling)
+
+    def kv_bytes_per_token(self, bytes_per_element: float = 2.0, context: int | None = None) -> float:
+        """KV-cache bytes per token of context, averaged over `context` tokens for sliding layers.
+
+        MLA caches one latent of `kv_lora_rank + qk_rope_head_dim` per layer, shared by all heads.
+        A sliding layer caches at most `sliding_window` tokens, so per token of a long context it
+        costs `min(1, window / context)` of a full layer.
+        """
+        if self.mla is not None:
+            per_layer = float(self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+        else:
+            per_layer = 2.0 * self.kv_size
+        total = 0.0
+        for layer in range(self.num_layers):
+            window = self.window(layer)
+            share = 1.0 if window is None or context is None else min(1.0, window / max(context, 1))
+            total += per_layer * share
+        return total * bytes_per_element
+
+    def with_(self, **changes: Any) -> ModelSpec:
+        return replace(self, **changes)
