@@ -1,0 +1,189 @@
+"""GGUF files (llama.cpp): metadata -> ModelSpec, tensors -> WeightSet (dequantized on access).
+
+Conventions of llama.cpp's converter that this undoes or reads:
+- llama/mistral Q and K rows are permuted for interleaved rope (un-permuted in `names.py`);
+- Gemma 3 norm weights already include Gemma's +1; local (sliding) layers use rope base 10000 and
+  every 6th layer is global (llama.cpp `set_swa_pattern(6)`);
+- Mixtral is stored as architecture "llama" with `llama.expert_count`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from twinfer.runtime.errors import ModelError, UnsupportedArchitecture, WeightError
+from twinfer.runtime.loaders.gguf_reader import GGUFContents, TensorInfo, ggml_type_name
+from twinfer.runtime.loaders.names import GGUF_TABLES, map_weights
+from twinfer.runtime.loaders.weights import WeightSet
+from twinfer.runtime.models import GGUF_ARCHS
+from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
+
+GEMMA3_SWA_PATTERN = 6  # llama.cpp: layer i is global iff i % 6 == 5
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A StoredTensor inside a GGUF file; `read` dequantizes with gguf-py's reference code."""
+
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    info: TensorInfo
+    contents: GGUFContents
+
+    def read(self) -> np.ndarray:
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        raw = self.contents.tensor_bytes(self.info)
+        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        qtype = GGMLQuantizationType(self.info.ggml_type)
+        try:
+            values = dequantize(raw.reshape(rows, -1), qtype)
+        except NotImplementedError as e:
+            raise WeightError(
+                f"tensor {self.name!r} in {self.file} is stored as {self.dtype}, which twinfer cannot "
+                "dequantize; re-quantize the model to a K-quant, Q8_0 or a float type"
+            ) from e
+        # F32 comes back as a view of the read-only mapping: copy it; other types are fresh arrays.
+        if qtype == GGMLQuantizationType.F32:
+            return np.array(values, dtype=np.float32).reshape(self.shape)
+        return np.asarray(values, dtype=np.float32).reshape(self.shape)
+
+
+def read_gguf(path: Path) -> GGUFContents:
+    return GGUFContents(path)
+
+
+def load_gguf(path: Path) -> tuple[ModelSpec, WeightSet, dict[str, Any]]:
+    """Parse `path`, derive its ModelSpec and map its tensors; returns (spec, weights, metadata)."""
+    contents = read_gguf(path)
+    spec = spec_from_gguf(contents)
+    arch = contents.metadata["general.architecture"]
+    stored = {
+        name: GGUFTensor(name, path, info.shape, ggml_type_name(info.ggml_type), info.nbytes, info, contents)
+        for name, info in contents.tensors.items()
+    }
+    weights = map_weights(spec, GGUF_TABLES[arch], stored, str(path))
+    return spec, weights, dict(contents.metadata)
+
+
+def spec_from_gguf(contents: GGUFContents) -> ModelSpec:
+    """The ModelSpec described by a GGUF file's metadata (and, where metadata is silent, its tensors)."""
+    meta, path = contents.metadata, contents.path
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS or arch not in GGUF_TABLES:
+        known = ", ".join(sorted(GGUF_ARCHS))
+        raise UnsupportedArchitecture(
+            f"{path}: GGUF architecture {arch!r} is not supported; twinfer reads {known}"
+        )
+    k = _Keys(meta, arch, path)
+    tensors = contents.tensors
+    hidden, n_heads = k.int("embedding_length"), k.int("attention.head_count")
+    head_dim = k.int("attention.key_length", hidden // n_heads)
+    if k.int("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedArchitecture(f"{path}: key and value head sizes differ, which twinfer does not run")
+    n_layers = k.int("block_count")
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise WeightError(f"missing tensor 'token_embd.weight' in {path}; the file is not a complete model")
+    expert_count = k.int("expert_count", 0)
+    model_type = GGUF_ARCHS[arch]
+    if arch in ("llama", "mistral") and expert_count:
+        model_type = "mixtral"
+    spec = dict(
+        model_type=model_type,
+        name=str(meta.get("general.name") or path.stem),
+        vocab_size=embed.shape[0],
+        hidden_size=hidden,
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=k.int("attention.head_count_kv", n_heads),
+        head_dim=head_dim,
+        intermediate_size=k.int("feed_forward_length"),
+        max_position=k.int("context_length", 8192),
+        rms_norm_eps=k.float("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=k.float("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(k),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        final_logit_softcap=k.float("final_logit_softcapping", 0.0) or None,
+        moe=_moe(k, arch, expert_count),
+    )
+    if arch == "gemma3":
+        spec |= _gemma3(k, n_layers, hidden, n_heads, head_dim)
+    return ModelSpec(**spec)  # type: ignore[arg-type]
+
+
+def _gemma3(k: _Keys, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+    window = k.int("attention.sliding_window", 0)
+    out: dict[str, Any] = dict(hidden_act="gelu_tanh", embed_scale=True)
+    # llama.cpp: 27B (62 layers) scales queries by hidden/heads, the others by the head size.
+    out["query_pre_attn_scalar"] = float(hidden // n_heads if n_layers == 62 else head_dim)
+    if window > 0:
+        out["sliding_window"] = window
+        out["rope_local_theta"] = GEMMA3_LOCAL_ROPE_BASE
+        out["layer_types"] = tuple(
+            FULL if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else SLIDING for i in range(n_layers)
+        )
+    return out
+
+
+def _moe(k: _Keys, arch: str, expert_count: int) -> MoESpec | None:
+    if not expert_count:
+        return None
+    if k.int("expert_shared_count", 0):
+        raise UnsupportedArchitecture(f"{k.path}: shared experts are not supported for GGUF {arch!r}")
+    return MoESpec(
+        num_experts=expert_count,
+        top_k=k.int("expert_used_count"),
+        expert_intermediate_size=k.int("expert_feed_forward_length", k.int("feed_forward_length")),
+        norm_topk_prob=bool(k.meta.get(f"{arch}.expert_weights_norm", True)),
+    )
+
+
+def _rope_scaling(k: _Keys) -> tuple[tuple[str, Any], ...] | None:
+    kind = k.meta.get(f"{k.arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    items: dict[str, Any] = {"rope_type": kind, "factor": k.float("rope.scaling.factor", 1.0)}
+    original = k.int("rope.scaling.original_context_length", 0)
+    if original:
+        items["original_max_position_embeddings"] = original
+    return tuple(sorted(items.items()))
+
+
+class _Keys:
+    """Typed access to `{arch}.*` metadata with errors that name the file and key."""
+
+    def __init__(self, meta: dict[str, Any], arch: str, path: Path) -> None:
+        self.meta, self.arch, self.path = meta, arch, path
+
+    def _get(self, key: str, default: Any) -> Any:
+        full = f"{self.arch}.{key}"
+        value = self.meta.get(full, default)
+        if value is _MISSING:
+            raise ModelError(f"{self.path}: GGUF metadata key {full!r} is missing; re-convert the model")
+        if isinstance(value, list):  # per-layer values; twinfer needs them uniform
+            if len(set(value)) != 1:
+                raise UnsupportedArchitecture(f"{self.path}: {full!r} differs between layers: {value}")
+            value = value[0]
+        return value
+
+    def int(self, key: str, default: Any = None) -> int:
+        return int(self._get(key, _MISSING if default is None else default))
+
+    def float(self, key: str, default: Any = None) -> float:
+        # float32 metadata: print it back at float32 precision so 1e-6 stays 1e-6.
+        return float(str(np.float32(self._get(key, _MISSING if default is None else default))))
+
+
+_MISSING = object()
