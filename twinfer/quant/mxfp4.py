@@ -1,0 +1,124 @@
+"""MXFP4 (OCP Microscaling Formats spec v1.0): E2M1 values in 32-element blocks, E8M0 block scales.
+
+Layout a backend consumes, identical to gpt-oss checkpoints (``*_blocks`` / ``*_scales``), for
+``w`` float32 ``[out, in]`` with ``in % 32 == 0``:
+
+* ``blocks`` uint8 ``[out, in / 32, 16]``: 32 E2M1 codes per block, two per byte, the even element
+  in the low nibble (OpenAI's gpt-oss reference ``weights.py``: ``out[:, 0::2] = lut[blk & 0x0F]``,
+  ``out[:, 1::2] = lut[blk >> 4]``). ``mx.quantize(mode="mxfp4")``'s uint32 words, viewed as bytes
+  on a little-endian host, are the same bytes.
+* ``scales`` uint8 ``[out, in / 32]``: E8M0 codes, ``scale = 2**(code - 127)``, 255 is NaN.
+
+``w[r, 32*b + i] = e2m1(blocks[r, b])[i] * 2**(scales[r, b] - 127)``.
+
+Quantization is the spec's reference recipe (section 6.3): shared exponent
+``floor(log2(amax(block))) - 2`` (2 = E2M1's largest exponent), clamped to E8M0's range, then each
+element is rounded to E2M1 with saturation at +-6. (MLX picks its scale differently, rounding up so
+nothing saturates, so its codes can differ; its decoding agrees.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from twinfer.quant.bitpack import pack_nibbles, unpack_nibbles
+from twinfer.quant.e2m1 import decode_e2m1, encode_e2m1
+
+BLOCK = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+_E2M1_EMAX = 2
+
+
+def decode_e8m0(codes: np.ndarray) -> np.ndarray:
+    """E8M0 codes -> float32 ``2**(code - 127)`` (255 -> NaN)."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    exps = np.minimum(codes, E8M0_NAN - 1).astype(np.int32) - E8M0_BIAS
+    out = np.ldexp(np.float32(1.0), exps).astype(np.float32)
+    return np.where(codes == E8M0_NAN, np.float32(np.nan), out)
+
+
+@dataclass(frozen=True)
+class MXFP4Tensor:
+    """MXFP4 weight in gpt-oss layout (see the module docstring)."""
+
+    blocks: np.ndarray  # uint8 [out, in / 32, 16]
+    scales: np.ndarray  # uint8 E8M0 [out, in / 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.blocks.shape[1] * BLOCK)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes + self.scales.nbytes)
+
+    def unpack(self) -> np.ndarray:
+        return load_mxfp4_tensor(self.blocks, self.scales)
+
+
+def load_mxfp4_tensor(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Dequantize gpt-oss MXFP4 ``blocks`` uint8 ``[..., G, 16]`` and ``scales`` uint8 ``[..., G]``.
+
+    Returns float32 ``[..., G * 32]``: for a gpt-oss expert tensor ``[experts, out, G, 16]`` that is
+    ``[experts, out, in]``, the reference implementation's orientation. (transformers'
+    ``convert_moe_packed_tensors`` also transposes the last two axes for its ``[experts, in, out]``
+    parameters.)
+    """
+    blocks = np.asarray(blocks, dtype=np.uint8)
+    scales = np.asarray(scales, dtype=np.uint8)
+    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"MXFP4 blocks must be [..., G, 16] with scales [..., G]; got {blocks.shape} and {scales.shape}"
+        )
+    vals = decode_e2m1(unpack_nibbles(blocks))  # [..., G, 32]
+    out = vals * decode_e8m0(scales)[..., None]
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
+
+
+def load_mxfp4_safetensors(path: str | Path, name: str) -> np.ndarray:
+    """Read and dequantize one MXFP4 tensor from a safetensors file.
+
+    Accepts both spellings: Hugging Face's ``{name}_blocks`` / ``{name}_scales`` and the original
+    checkpoint's ``{name}.blocks`` / ``{name}.scales``.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        keys = set(f.keys())
+        for sep in ("_", "."):
+            b, s = f"{name}{sep}blocks", f"{name}{sep}scales"
+            if b in keys and s in keys:
+                return load_mxfp4_tensor(f.get_tensor(b), f.get_tensor(s))
+    raise KeyError(f"no MXFP4 tensor '{name}' in {path}: expected '{name}_blocks' and '{name}_scales'")
+
+
+def pack(w: np.ndarray) -> MXFP4Tensor:
+    """Quantize float32 ``[out, in]`` (``in`` a multiple of 32) with the OCP reference recipe."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % BLOCK:
+        raise ValueError(f"MXFP4 needs a weight [out, in] with in divisible by {BLOCK}, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("weight has NaN or inf values; MXFP4 packing needs finite weights")
+    out, inp = w.shape
+    g = w.reshape(out, inp // BLOCK, BLOCK)  # [out, blocks, 32]
+    amax = np.abs(g).max(axis=-1)
+    _, e = np.frexp(np.where(amax > 0, amax, 1.0))  # amax = m * 2**e, m in [0.5, 1)
+    shared = np.where(amax > 0, e - 1 - _E2M1_EMAX, -E8M0_BIAS)
+    shared = np.clip(shared, -E8M0_BIAS, E8M0_BIAS)
+    scaled = np.ldexp(g, -shared[..., None].astype(np.int32)).astype(np.float32)
+    codes = encode_e2m1(scaled).reshape(out, inp // BLOCK, BLOCK)
+    return MXFP4Tensor(pack_nibbles(codes), (shared + E8M0_BIAS).astype(np.uint8))
+
+
+def unpack(p: MXFP4Tensor) -> np.ndarray:
+    """Dequantize to float32 ``[out, in]``."""
+    return p.unpack()
+
+
+def matmul(x: np.ndarray, p: MXFP4Tensor) -> np.ndarray:
+    """Reference ``x @ W.T`` from the dequantized weight."""
+    return np.asarray(x, dtype=np.float32) @ p.unpack().T
