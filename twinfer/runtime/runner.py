@@ -55,6 +55,9 @@ class Runner(ABC):
     def release(self, seq_id: int) -> None:
         """Forget a finished or preempted sequence's KV (paged runners: nothing to do)."""
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep only the first `length` KV positions of a sequence (sequence-slot runners only)."""
+
     def copy_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:
         """Share the first `num_tokens` KV positions of src with dst (sequence-slot runners only)."""
 

@@ -1,0 +1,252 @@
+"""Ops over MLX: runs every architecture on Apple silicon (Metal) and, through mlx[cpu], on any CPU.
+
+KV cache: the layout of the torch backend. One flat array per layer of `num_blocks * block_size`
+slots, [slots, Hkv, D]. A step scatters its new keys and values into the slots the block tables
+give, gathers each sequence's slots into a padded [B, L] view and runs one masked
+`mx.fast.scaled_dot_product_attention` per layer (GQA native, sliding windows by mask).
+
+MLX is lazy and its arrays are immutable: a cache write makes a new array that replaces the old one
+in `k_cache`/`v_cache`. Nothing is evaluated inside layers; `to_host` evaluates the logits together
+with every cache in one `mx.eval`, so the step's writes are materialized and the graph is freed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from twinfer.runtime.batch import StepBatch
+from twinfer.runtime.rope import inv_freq
+from twinfer.runtime.spec import ModelSpec, MoESpec
+
+DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+# Below this many (token, expert) pairs gather_mm is run unsorted; above it, sorting the pairs by
+# expert lets each expert's weights be read once (the same threshold as mlx-lm's SwitchGLU).
+_SORT_MOE_PAIRS = 64
+_GELU_BETA = math.sqrt(2.0 / math.pi)
+
+
+def mlx_dtype(dtype: str | mx.Dtype) -> mx.Dtype:
+    """ "float32" / "bfloat16" / "float16" (or an mx.Dtype) -> mx.Dtype."""
+    if isinstance(dtype, mx.Dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported MLX dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class MlxStep:
+    """Device-side view of one StepBatch (see Ops.begin_step)."""
+
+    tokens: mx.array  # [T] token ids
+    positions: mx.array  # [T]
+    slots: mx.array  # [T] KV slot of each new token
+    q_index: mx.array  # [B, Tq] index into T of each sequence's tokens (padded with 0)
+    q_pos: mx.array  # [B, Tq] positions of the queries (0 where padded)
+    q_flat: mx.array  # [T] index into the flattened [B * Tq] padded view of each real token
+    kv_slots: mx.array  # [B, L] KV slot of each context position (0 where padded)
+    rows: mx.array  # [R] index into T of the rows that need logits
+    cache: dict[Any, mx.array] = field(default_factory=dict)  # masks and rope tables, per step
+
+
+class MlxOps:
+    """The MLX implementation of `twinfer.runtime.ops.Ops`."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: str | mx.Dtype = "float32",
+    ):
+        self.spec = spec
+        self.dtype = mlx_dtype(dtype)
+        self.block_size = block_size
+        shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(spec.num_layers)]
+        self.v_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(spec.num_layers)]
+        self._inv_freq = [mx.array(inv_freq(spec, i)) for i in range(spec.num_layers)]
+        self._gather_mm_f32 = mx.default_device().type == mx.cpu
+        mx.eval(self.k_cache, self.v_cache)
+
+    # -- step setup ----------------------------------------------------------------------------
+    def begin_step(self, batch: StepBatch) -> MlxStep:
+        chunks = batch.chunks
+        B = len(chunks)
+        Tq = max(len(c.tokens) for c in chunks)
+        L = max(c.end for c in chunks)
+        q_index = np.zeros((B, Tq), dtype=np.int32)
+        q_pos = np.zeros((B, Tq), dtype=np.int32)
+        q_flat = np.zeros(batch.num_tokens, dtype=np.int32)
+        kv_slots = np.zeros((B, L), dtype=np.int32)
+        offset = 0
+        bs = self.block_size
+        for b, c in enumerate(chunks):
+            n = len(c.tokens)
+            q_index[b, :n] = np.arange(offset, offset + n)
+            q_pos[b, :n] = np.arange(c.start, c.end)
+            q_flat[offset : offset + n] = np.arange(b * Tq, b * Tq + n)
+            pos = np.arange(c.end)
+            table = np.asarray(c.block_table, dtype=np.int32)
+            kv_slots[b, : c.end] = table[pos // bs] * bs + pos % bs
+            offset += n
+
+        def up(values: Any) -> mx.array:
+            return mx.array(np.asarray(values, dtype=np.int32))
+
+        return MlxStep(
+            tokens=up(batch.token_ids()),
+            positions=up(batch.positions()),
+            slots=up(batch.slot_mapping(bs)),  # also checks that the block tables are long enough
+            q_index=up(q_index),
+            q_pos=up(q_pos),
+            q_flat=up(q_flat),
+            kv_slots=up(kv_slots),
+            rows=up(batch.logit_token_index()),
+        )
+
+    def weight(self, name: str, value: Any) -> mx.array:
+        return mx.array(np.ascontiguousarray(value), dtype=self.dtype)
+
+    # -- elementwise and dense -----------------------------------------------------------------
+    def embedding(self, table: mx.array, ids: mx.array) -> mx.array:
+        return mx.take(table, ids, axis=0)
+
+    def linear(self, x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
+        if bias is None:
+            return x @ w.T
+        return mx.addmm(bias, x, w.T)
+
+    def rms_norm(self, x: mx.array, w: mx.array, eps: float) -> mx.array:
+        if x.dtype == mx.float32:
+            # the fused kernel equals `rms_norm_reference` in float32 (tests/test_backends_logits.py)
+            return mx.fast.rms_norm(x, w, eps)
+        # half inputs: the fused kernel rounds before the weight multiply; the contract does not
+        return rms_norm_reference(x, w, eps)
+
+    def act(self, x: mx.array, kind: str) -> mx.array:
+        if kind == "silu":
+            return x * mx.sigmoid(x)
+        if kind == "gelu_tanh":  # torch's F.gelu(approximate="tanh"), term for term
+            return 0.5 * x * (1.0 + mx.tanh(_GELU_BETA * (x + 0.044715 * (x * x * x))))
+        raise ValueError(f"unknown activation {kind!r}")
+
+    def softcap(self, x: mx.array, cap: float) -> mx.array:
+        return mx.tanh(x / cap) * cap
+
+    def rope(self, x: mx.array, ctx: MlxStep, layer: int) -> mx.array:
+        cos, sin = self._rope_table(ctx, layer)  # [T, 1, D] each
+        half = x.shape[-1] // 2
+        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return (x * cos + rotated * sin).astype(x.dtype)
+
+    def _rope_table(self, ctx: MlxStep, layer: int) -> tuple[mx.array, mx.array]:
+        key = ("rope", self.spec.rope_base(layer), self.spec.rope_scaling_for(layer) is not None)
+        if key not in ctx.cache:
+            freqs = ctx.positions.astype(mx.float32)[:, None] * self._inv_freq[layer][None, :]  # [T, D/2]
+            emb = mx.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
+            ctx.cache[key] = mx.stack([mx.cos(emb), mx.sin(emb)])
+        table = ctx.cache[key]
+        return table[0], table[1]
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, ctx: MlxStep, layer: int) -> mx.array:
+        T, H, D = q.shape
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache[ctx.slots] = k.astype(k_cache.dtype)  # a scatter: builds the next cache array
+        v_cache[ctx.slots] = v.astype(v_cache.dtype)
+        self.k_cache[layer], self.v_cache[layer] = k_cache, v_cache
+        B, Tq = ctx.q_index.shape
+        Q = mx.take(q, ctx.q_index, axis=0).transpose(0, 2, 1, 3)  # [B, H, Tq, D]
+        K = mx.take(k_cache, ctx.kv_slots, axis=0).transpose(0, 2, 1, 3)  # [B, Hkv, L, D]
+        V = mx.take(v_cache, ctx.kv_slots, axis=0).transpose(0, 2, 1, 3)
+        mask = self._mask(ctx, self.spec.window(layer))  # [B, 1, Tq, L]
+        out = mx.fast.scaled_dot_product_attention(Q, K, V, scale=self.spec.attention_scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B * Tq, H, D)  # [B * Tq, H, D]
+        return mx.take(out, ctx.q_flat, axis=0)  # [T, H, D]
+
+    def _mask(self, ctx: MlxStep, window: int | None) -> mx.array:
+        key = ("mask", window)
+        if key not in ctx.cache:
+            L = ctx.kv_slots.shape[1]
+            kpos = mx.arange(L, dtype=mx.int32)[None, None, :]  # [1, 1, L]
+            qpos = ctx.q_pos[:, :, None]  # [B, Tq, 1]
+            mask = kpos <= qpos
+            if window is not None:
+                mask = mask & (kpos > qpos - window)
+            ctx.cache[key] = mask[:, None]
+        return ctx.cache[key]
+
+    # -- mixture of experts --------------------------------------------------------------------
+    def moe(
+        self,
+        x: mx.array,
+        router: mx.array,
+        gate: mx.array,
+        up: mx.array,
+        down: mx.array,
+        moe: MoESpec,
+        act: str,
+    ) -> mx.array:
+        weights, experts = self._route(x, router, moe)  # [T, k] each
+        T, C = x.shape
+        k = moe.top_k
+        h = x.reshape(T, 1, 1, C)
+        order = None
+        if T * k >= _SORT_MOE_PAIRS:
+            order = mx.argsort(experts.flatten())  # group the (token, expert) pairs by expert
+            h = mx.take(h.reshape(T, 1, C), order // k, axis=0)  # [T*k, 1, C]
+            idx = mx.take(experts.flatten(), order)
+        else:
+            idx = experts
+        srt = order is not None
+        g = self._gather_mm(h, gate.swapaxes(-1, -2), idx, srt)  # [T, k, 1, I] or sorted [T*k, 1, I]
+        u = self._gather_mm(h, up.swapaxes(-1, -2), idx, srt)
+        y = self._gather_mm(self.act(g, act) * u, down.swapaxes(-1, -2), idx, srt)  # [.., 1, C]
+        if order is not None:
+            y = mx.take(y, mx.argsort(order), axis=0)
+        y = y.reshape(T, k, C)
+        return (y * weights[:, :, None]).sum(axis=1)
+
+    def _gather_mm(self, a: mx.array, b: mx.array, idx: mx.array, srt: bool) -> mx.array:
+        if self._gather_mm_f32 and a.dtype != mx.float32:
+            # MLX's CPU gather_mm is float32-only; Metal runs half precision natively
+            out = mx.gather_mm(
+                a.astype(mx.float32), b.astype(mx.float32), rhs_indices=idx, sorted_indices=srt
+            )
+            return out.astype(a.dtype)
+        return mx.gather_mm(a, b, rhs_indices=idx, sorted_indices=srt)
+
+    def _route(self, x: mx.array, router: mx.array, moe: MoESpec) -> tuple[mx.array, mx.array]:
+        """Softmax router in float32, top-k (unordered), renormalized when the spec says so."""
+        probs = mx.softmax((x @ router.T).astype(mx.float32), axis=-1, precise=True)  # [T, E]
+        k = moe.top_k
+        experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]
+        weights = mx.take_along_axis(probs, experts, axis=-1)
+        # softmax over the top-k logits (router_softmax_before_topk=False) is the same renormalization
+        if moe.norm_topk_prob or not moe.router_softmax_before_topk:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights.astype(x.dtype), experts
+
+    # -- output --------------------------------------------------------------------------------
+    def select_rows(self, x: mx.array, ctx: MlxStep) -> mx.array:
+        return mx.take(x, ctx.rows, axis=0)
+
+    def to_host(self, x: mx.array) -> np.ndarray:
+        out = x.astype(mx.float32)
+        mx.eval(out, self.k_cache, self.v_cache)  # the step's one wait: logits and KV writes together
+        return np.array(out, copy=True)
+
+
+def rms_norm_reference(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    """Plain-ops RMSNorm in float32, the reference `mx.fast.rms_norm` is checked against."""
+    xf = x.astype(mx.float32)
+    xf = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(mx.float32)).astype(x.dtype)

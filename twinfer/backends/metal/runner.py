@@ -1,0 +1,71 @@
+"""Build an `OpsRunner` over MLX from a loaded model or from a dict of canonical-name weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+
+from twinfer.backends.metal.ops import MlxOps
+from twinfer.runtime.ops import Ops
+from twinfer.runtime.runner import KVLayout, OpsRunner
+from twinfer.runtime.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders import LoadedModel
+
+
+def load_mlx_runner(
+    loaded: LoadedModel, *, kv_tokens: int = 4096, block_size: int = 16, dtype: str | mx.Dtype = "float32"
+) -> OpsRunner:
+    """An MLX runner for a model from `runtime.loaders.load_model`, with a paged KV cache of
+    `kv_tokens` positions in blocks of `block_size`. Weights are converted one at a time."""
+    w = loaded.weights
+    return _build(loaded.spec, w.names(), w.load, kv_tokens, block_size, dtype)
+
+
+def build_mlx_runner(
+    spec: ModelSpec,
+    weights: Mapping[str, Any],
+    *,
+    kv_tokens: int = 4096,
+    block_size: int = 16,
+    dtype: str | mx.Dtype = "float32",
+) -> OpsRunner:
+    """An MLX runner from canonical-name -> host tensor (numpy float32) weights."""
+    return _build(spec, weights.keys(), weights.__getitem__, kv_tokens, block_size, dtype)
+
+
+def _build(
+    spec: ModelSpec,
+    names: Iterable[str],
+    load: Callable[[str], Any],
+    kv_tokens: int,
+    block_size: int,
+    dtype: str | mx.Dtype,
+) -> OpsRunner:
+    if block_size <= 0 or kv_tokens < block_size:
+        raise ValueError(
+            f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
+        )
+    _wire_working_set()
+    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
+    ops = MlxOps(spec, num_blocks=kv.num_blocks, block_size=block_size, dtype=dtype)
+    weights = {}
+    for name in names:
+        if name == "lm_head" and spec.tie_word_embeddings:
+            continue  # tied: the model reads `embed`; keep one copy on the device
+        weights[name] = ops.weight(name, load(name))
+    # cast: Ops types its step context as the StepContext protocol, backends as their own class
+    return OpsRunner(spec, cast(Ops, ops), weights, kv, backend="mlx")
+
+
+def _wire_working_set() -> None:
+    # On Apple silicon, keep up to the recommended working set wired so weights are not paged out
+    # between steps (what mlx-lm does while generating). Nothing to do on the CPU device.
+    if not mx.metal.is_available():
+        return
+    limit = mx.device_info().get("max_recommended_working_set_size")
+    if limit:
+        mx.set_wired_limit(int(limit))
