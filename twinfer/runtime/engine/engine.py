@@ -1,0 +1,292 @@
+"""The engine: requests -> scheduler -> step -> sampler -> guard -> stream.
+
+One `step()` is: schedule, sync the runner's KV slots, build the batch, run it, record what was
+computed, sample and finish. The engine is single-threaded; `AsyncEngine` (async_engine.py) runs it
+on a thread for the server and the TUI.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+from twinfer.runtime.engine.guard import LoopGuard
+from twinfer.runtime.engine.metrics import EngineMetrics
+from twinfer.runtime.engine.params import SamplingParams
+from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
+from twinfer.runtime.engine.sampler import sample
+from twinfer.runtime.engine.scheduler import Schedule, Scheduler, SchedulerConfig
+from twinfer.runtime.errors import RequestError
+from twinfer.runtime.kv.block_manager import BlockManager
+from twinfer.runtime.runner import Runner
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_tokens: int = 512
+    max_seqs: int = 16
+    max_prefill_chunk: int = 512
+    enable_prefix_cache: bool = True
+    max_context: int | None = None  # defaults to the model's window, capped by the KV capacity
+
+
+class Engine:
+    """Owns the requests of one model. Not thread-safe: call from one thread (or use AsyncEngine)."""
+
+    def __init__(self, runner: Runner, tokenizer: Any = None, config: EngineConfig | None = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        kv = runner.kv
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size, self.config.enable_prefix_cache)
+        max_seqs = min(self.config.max_seqs, kv.max_seqs)
+        sched = SchedulerConfig(self.config.max_batch_tokens, max_seqs, self.config.max_prefill_chunk)
+        self.scheduler = Scheduler(sched, self.blocks, prefix_ok=None if kv.paged else self._slot_prefix_ok)
+        window = runner.spec.max_position
+        self.max_context = min(self.config.max_context or window, window, kv.capacity_tokens)
+        self.requests: dict[str, Request] = {}
+        self.retained: OrderedDict[int, None] = OrderedDict()  # finished seqs whose KV a slot runner keeps
+        self.metrics = EngineMetrics()
+        self.guard = LoopGuard(self._piece)
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.eos_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
+
+    # -- public API --------------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise RequestError("the prompt is empty: give at least one token of text")
+        if len(tokens) >= self.max_context:
+            raise RequestError(
+                f"the prompt has {len(tokens)} tokens but the context window is {self.max_context}: shorten it"
+            )
+        vocab = self.runner.spec.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        new_decoder = None
+        if self.tokenizer is not None and hasattr(self.tokenizer, "stream_decoder"):
+            new_decoder = self.tokenizer.stream_decoder
+        request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.metrics.on_arrival()
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
+        return self._finish(request, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the deltas of every request that produced output."""
+        schedule = self.scheduler.schedule()
+        self._sync_slots(schedule)
+        if not schedule.items:
+            return []
+        batch = StepBatch([self._chunk(s.request, s.num_tokens) for s in schedule.items])
+        started = time.perf_counter()
+        logits = self.runner.step(batch)
+        self.metrics.on_step(batch.num_tokens, time.perf_counter() - started)
+        sampled_requests: list[Request] = []
+        for s in schedule.items:
+            request = s.request
+            request.num_computed += s.num_tokens
+            owner = None if self.runner.kv.paged else request.seq_id
+            self.blocks.mark_computed(request.seq_id, request.tokens, request.num_computed, owner)
+            if request.num_computed == request.num_tokens:
+                sampled_requests.append(request)
+        return self._sample_and_finish(sampled_requests, logits)
+
+    def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion together; one finished RequestOutput per prompt, in order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        results: dict[str, RequestOutput] = {}
+        while self.has_work:
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [self.full_output(self.requests.pop(i), results.get(i)) for i in ids]
+
+    def full_output(self, request: Request, last: RequestOutput | None = None) -> RequestOutput:
+        return RequestOutput(
+            request.request_id, request.text, list(request.output), request.finished,
+            request.finish_reason, list(request.logprobs) if request.params.logprobs is not None else None,
+            len(request.prompt), len(request.output), request.cached_tokens,
+            request.timings.as_dict(len(request.output)),
+        )
+
+    # -- step internals ----------------------------------------------------------------------------
+    def _chunk(self, request: Request, n: int) -> SeqChunk:
+        start = request.num_computed
+        last = start + n == request.num_tokens
+        return SeqChunk(
+            request.seq_id, request.tokens[start : start + n], start, self.blocks.table(request.seq_id),
+            LogitsWanted.LAST if last else LogitsWanted.NONE,
+        )
+
+    def _sample_and_finish(self, requests: list[Request], logits: Any) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        results = sample(logits, [r.row for r in requests]) if requests else []
+        now = time.perf_counter()
+        for request, result in zip(requests, results, strict=True):
+            if request.timings.first_token is None:
+                request.timings.first_token = now
+            request.output.append(result.token)
+            request.row.output_counts[result.token] += 1
+            if result.logprob is not None:
+                request.logprobs.append(TokenLogprob(result.token, result.logprob, result.top))
+            out = self._advance(request, result.token)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _advance(self, request: Request, token: int) -> RequestOutput | None:
+        """Apply one new token: stop conditions, the loop guard, detokenization."""
+        p = request.params
+        self.metrics.generated_tokens += 1
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            request.output.pop()  # stop tokens are not part of the text
+            return self._finish(request, "stop")
+        if self.guard.check(request.output, p.guard):
+            self.guard.trips += 1
+            self.metrics.guard_trips += 1
+            if request.retries < p.guard.retries:
+                return self._retry(request)
+            return self._finish(request, "loop")
+        if request.decoder is not None:
+            request.text += request.decoder.push(token)
+            if p.stop and self._cut_stop_string(request):
+                return self._finish(request, "stop")
+        if len(request.output) >= p.max_tokens or request.num_tokens >= self.max_context:
+            return self._finish(request, "length")
+        return self._delta(request)
+
+    def _cut_stop_string(self, request: Request) -> bool:
+        text = request.text
+        window = max(len(s) for s in request.params.stop) + 16
+        start = max(0, request.emitted - window)
+        hits = [i for i in (text.find(s, start) for s in request.params.stop) if i >= 0]
+        if hits:
+            request.text = text[: min(hits)]
+            return True
+        return False
+
+    def _delta(self, request: Request, final: bool = False) -> RequestOutput | None:
+        if request.params.guard.retries and not final:
+            return None  # a retry could replace the text: stream nothing until it is final
+        hold = 0 if final or not request.params.stop else max(len(s) for s in request.params.stop) - 1
+        end = max(request.emitted, len(request.text) - hold)
+        text = request.text[request.emitted : end]
+        tokens = request.output[request.emitted_tokens :]
+        if not text and not tokens and not final:
+            return None
+        request.emitted, request.emitted_tokens = end, len(request.output)
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = request.logprobs[len(request.logprobs) - len(tokens) :] if tokens else []
+        out = RequestOutput(request.request_id, text, tokens, final, request.finish_reason, logprobs,
+                            len(request.prompt), len(request.output), request.cached_tokens)
+        if final:
+            out.metrics = request.timings.as_dict(len(request.output))
+        return out
+
+    def _retry(self, request: Request) -> RequestOutput | None:
+        request.retries += 1
+        self.metrics.guard_retries += 1
+        seed = None if request.params.seed is None else request.params.seed + request.retries
+        temperature = request.params.guard.retry_temperature if request.params.greedy else None
+        request.reset_output(seed, temperature)
+        self.scheduler.remove(request)
+        self._release_seq(request.seq_id)
+        request.num_computed = 0
+        request.status = Status.WAITING
+        self.scheduler.add(request)
+        return None
+
+    def _finish(self, request: Request, reason: str) -> RequestOutput | None:
+        if request.decoder is not None and reason != "abort":
+            tail = request.decoder.flush()
+            if tail and not request.params.stop:
+                request.text += tail
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.timings.finished = time.perf_counter()
+        table = list(self.blocks.seqs[request.seq_id].table) if request.seq_id in self.blocks.seqs else []
+        self.scheduler.remove(request)
+        if not self.runner.kv.paged:
+            self._retain_or_release(request.seq_id, table)
+        self.metrics.on_finish(request)
+        return self._delta(request, final=True)
+
+    # -- sequence-slot runners (llama.cpp) -----------------------------------------------------------
+    def _slot_prefix_ok(self, block_ids: list[int]) -> int:
+        """A slot runner can reuse a prefix only if some live or kept sequence holds all of it."""
+        while block_ids and self.blocks.owner_of(block_ids[-1]) is None:
+            block_ids = block_ids[:-1]
+        return len(block_ids)
+
+    def _sync_slots(self, schedule: Schedule) -> None:
+        if self.runner.kv.paged:
+            return
+        for s in schedule.items:
+            if s.admitted and s.prefix_blocks:
+                owner = self.blocks.owner_of(self.blocks.table(s.request.seq_id)[s.prefix_blocks - 1])
+                if owner is not None and owner != s.request.seq_id:
+                    self.runner.copy_prefix(owner, s.request.seq_id, s.prefix_blocks * self.blocks.block_size)
+        for request in schedule.preempted:
+            self.runner.release(request.seq_id)
+        evicted, self.blocks.evicted_owners = set(self.blocks.evicted_owners), []
+        for owner in evicted:
+            if owner in self.retained:
+                self._drop_retained(owner)
+        limit = self.runner.kv.max_seqs - len(self.scheduler.running)
+        while len(self.retained) > max(limit - 1, 0):
+            self._drop_retained(next(iter(self.retained)))
+
+    def _retain_or_release(self, seq_id: int, table: list[int]) -> None:
+        """Keep a finished sequence's leading cached blocks in its slot for prefix reuse; drop the rest."""
+        keep = 0
+        for block_id in table:
+            block = self.blocks.blocks[block_id]
+            if block.hash is None or self.blocks.by_hash.get(block.hash) != block_id:
+                break
+            keep += 1
+        self.blocks.disown(seq_id, table[keep:])
+        if keep:
+            self.runner.truncate(seq_id, keep * self.blocks.block_size)
+            self.retained[seq_id] = None
+        else:
+            self.runner.release(seq_id)
+
+    def _drop_retained(self, seq_id: int) -> None:
+        self.retained.pop(seq_id, None)
+        self.blocks.evict_owner(seq_id)
+        self.runner.release(seq_id)
+
+    def _release_seq(self, seq_id: int) -> None:
+        if not self.runner.kv.paged:
+            self.runner.release(seq_id)
+
+    def _piece(self, token: int) -> str:
+        if self.tokenizer is None:
+            return "x"
+        return self.tokenizer.decode([token])

@@ -1,0 +1,78 @@
+"""Per-request generation parameters, validated where they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twinfer.runtime.errors import RequestError
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Token-loop guard settings (on by default; see engine/guard.py).
+
+    `max_repeats`: the same non-exempt token this many times in a row cuts generation.
+    `cycle_period`/`cycle_repeats`: an n-gram of period 2..cycle_period seen cycle_repeats times in a
+    row at the tail is a loop too (0 turns cycle detection off).
+    `retries`: re-run a looping request up to this many times with a fresh seed before giving up.
+    """
+
+    enabled: bool = True
+    max_repeats: int = 4
+    cycle_period: int = 8
+    cycle_repeats: int = 4
+    retries: int = 0
+    retry_temperature: float = 0.7  # a greedy request would loop identically, so its retries sample
+
+    def __post_init__(self) -> None:
+        if self.max_repeats < 2:
+            raise RequestError(f"guard max_repeats must be at least 2, got {self.max_repeats}")
+        if self.cycle_period < 0 or self.cycle_repeats < 2:
+            raise RequestError("guard cycle_period must be >= 0 and cycle_repeats >= 2")
+        if self.retries < 0:
+            raise RequestError(f"guard retries must be >= 0, got {self.retries}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob and top k
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

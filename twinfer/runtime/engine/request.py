@@ -1,0 +1,115 @@
+"""A request's life inside the engine: tokens, KV progress, sampling state, output and timings."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from twinfer.runtime.engine.params import SamplingParams
+from twinfer.runtime.engine.sampler import RowState
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced since the last step (a stream delta), or all of it when finished."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "loop", "abort"
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Timings:
+    arrival: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def as_dict(self, output_tokens: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.scheduled is not None:
+            out["queue_s"] = self.scheduled - self.arrival
+        if self.first_token is not None:
+            out["ttft_s"] = self.first_token - self.arrival
+            if self.finished is not None and output_tokens > 1:
+                out["tpot_s"] = (self.finished - self.first_token) / (output_tokens - 1)
+        if self.finished is not None:
+            out["latency_s"] = self.finished - self.arrival
+        return out
+
+
+class Request:
+    """One generation. `seq_id` names its KV to the block manager and the runner."""
+
+    def __init__(self, request_id: str, seq_id: int, prompt: list[int], params: SamplingParams,
+                 priority: int = 0, new_decoder: Callable[[], Any] | None = None):
+        self.request_id = request_id
+        self.seq_id = seq_id
+        self.prompt = list(prompt)
+        self.params = params
+        self.priority = priority
+        self.output: list[int] = []
+        self.num_computed = 0  # tokens whose KV is stored
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.row = RowState(params, np.random.default_rng(params.seed), self.prompt, Counter())
+        self.new_decoder = new_decoder
+        self.decoder = new_decoder() if new_decoder else None  # a StreamDecoder, or None: token ids only
+        self.text = ""  # decoded output so far (stop strings already cut)
+        self.emitted = 0  # characters of `text` already streamed
+        self.emitted_tokens = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.retries = 0
+        self.preemptions = 0
+        self.timings = Timings()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.timings.arrival)
+
+    def reset_output(self, seed: int | None, temperature: float | None) -> None:
+        """Start the generation over (the guard's retry): same prompt, fresh seed."""
+        self.output.clear()
+        self.logprobs.clear()
+        self.row = RowState(self.params, np.random.default_rng(seed), self.prompt, Counter(), temperature)
+        self.text, self.emitted, self.emitted_tokens = "", 0, 0
+        self.decoder = self.new_decoder() if self.new_decoder else None
+        self.num_computed = min(self.num_computed, len(self.prompt))

@@ -1,0 +1,99 @@
+"""Turning logits into tokens: penalties, temperature, top-k, top-p, min-p, seeds and logprobs.
+
+Each request owns a seeded numpy Generator, so a request's samples do not depend on what else
+shares its batch. Greedy rows are one vectorized argmax; sampled rows draw one uniform each after
+the filters, on the candidate set only (top-k by argpartition keeps the 262k-vocabulary case cheap).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from twinfer.runtime.engine.params import SamplingParams
+
+
+@dataclass
+class RowState:
+    """What the sampler needs to know about one request."""
+
+    params: SamplingParams
+    rng: np.random.Generator
+    prompt_tokens: list[int]
+    output_counts: Counter[int] = field(default_factory=Counter)
+    temperature: float | None = None  # overrides params.temperature (the guard's retries)
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token, logprob) best first
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64, copy=False)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def apply_penalties(logits: np.ndarray, row: RowState) -> np.ndarray:
+    """HF-style repetition penalty (prompt and output) plus OpenAI presence/frequency penalties."""
+    p = row.params
+    out = logits.astype(np.float32, copy=True)
+    if p.repetition_penalty != 1.0:
+        seen = np.fromiter(set(row.prompt_tokens) | set(row.output_counts), dtype=np.int64)
+        vals = out[seen]
+        out[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if row.output_counts and (p.presence_penalty or p.frequency_penalty):
+        ids = np.fromiter(row.output_counts.keys(), dtype=np.int64)
+        counts = np.fromiter(row.output_counts.values(), dtype=np.float32)
+        out[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    return out
+
+
+def sample_row(logits: np.ndarray, row: RowState) -> int:
+    """One token from one row of (penalized) logits, using the row's own generator."""
+    p = row.params
+    temperature = p.temperature if row.temperature is None else row.temperature
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    if 0 < p.top_k < logits.shape[0]:
+        cand = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
+    else:
+        cand = np.arange(logits.shape[0])
+    scaled = logits[cand].astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    cand, scaled = cand[order], scaled[order]
+    probs = np.exp(scaled - scaled[0])
+    probs /= probs.sum()
+    keep = len(probs)
+    if p.min_p > 0.0:
+        keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
+    if p.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+    probs = probs[:keep] / probs[:keep].sum()
+    index = int(np.searchsorted(np.cumsum(probs), row.rng.random(), side="right"))
+    return int(cand[min(index, keep - 1)])
+
+
+def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
+    """Sample one token per row of logits [R, V]; logprobs are of the raw model distribution."""
+    out: list[Sampled] = []
+    greedy_ids = np.argmax(logits, axis=-1)
+    for i, row in enumerate(rows):
+        p = row.params
+        simple = (p.greedy and row.temperature is None) and not p.penalized
+        token = int(greedy_ids[i]) if simple else sample_row(apply_penalties(logits[i], row), row)
+        result = Sampled(token)
+        if p.logprobs is not None:
+            lp = log_softmax(logits[i])
+            result.logprob = float(lp[token])
+            if p.logprobs:
+                top = np.argpartition(-lp, p.logprobs - 1)[: p.logprobs]
+                top = top[np.argsort(-lp[top], kind="stable")]
+                result.top = [(int(t), float(lp[t])) for t in top]
+        out.append(result)
+    return out

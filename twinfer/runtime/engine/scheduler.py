@@ -1,0 +1,139 @@
+"""Continuous batching: which requests compute how many tokens this step.
+
+Every step has a token budget. Running requests go first (a decode costs one token, an unfinished
+prefill continues in chunks), then waiting requests are admitted while the budget, the sequence
+limit and the free KV blocks allow, reusing cached prefix blocks. When a running request cannot get
+the block it needs, the least important running request is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed later. Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from twinfer.runtime.engine.request import Request, Status
+from twinfer.runtime.kv.block_manager import BlockManager, OutOfBlocks
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512  # tokens computed per step (prefill chunks + decodes)
+    max_seqs: int = 16  # requests running at once
+    max_prefill_chunk: int = 512  # longest piece of one prompt computed in one step
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_seqs < 1 or self.max_prefill_chunk < 1:
+            raise ValueError("scheduler limits must be positive")
+
+
+@dataclass
+class Scheduled:
+    request: Request
+    num_tokens: int
+    admitted: bool = False  # first step of this request's (re)computation
+    prefix_blocks: int = 0  # cached blocks it starts from (admitted requests only)
+
+
+@dataclass
+class Schedule:
+    items: list[Scheduled] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting and running queues. Called by the engine once per step."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix_ok=None):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        # prefix_ok(block_ids) -> how many of the matched blocks the runner can reuse
+        self.prefix_ok = prefix_ok or (lambda block_ids: len(block_ids))
+        self.preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.waiting.sort(key=Request.sort_key)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request from the queues and free its blocks (finish or abort)."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request.seq_id)
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        budget = self.config.max_batch_tokens
+        self.running.sort(key=Request.sort_key)
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            n = self._chunk(request, budget)
+            if not self._grow(request, n, out):
+                continue
+            out.items.append(Scheduled(request, n))
+            budget -= n
+        if not out.preempted:
+            budget = self._admit(budget, out)
+        return out
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed
+        return min(remaining, budget, self.config.max_prefill_chunk) if remaining > 1 else 1
+
+    def _grow(self, request: Request, n: int, out: Schedule) -> bool:
+        """Make room for n more tokens of a running request, preempting others if needed."""
+        while True:
+            try:
+                self.blocks.allocate(request.seq_id, [], request.num_computed + n, request.tokens)
+                return True
+            except OutOfBlocks:
+                victim = max(self.running, key=Request.sort_key)
+                self._preempt(victim, out)
+                if victim is request:
+                    return False
+
+    def _preempt(self, request: Request, out: Schedule) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.seq_id)
+        request.status = Status.WAITING
+        request.num_computed = 0
+        request.preemptions += 1
+        self.preemptions += 1
+        out.preempted.append(request)
+        out.items = [s for s in out.items if s.request is not request]
+        self.waiting.insert(0, request)
+
+    def _admit(self, budget: int, out: Schedule) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
+            request = self.waiting[0]
+            tokens = request.tokens
+            prefix = self.blocks.match_prefix(tokens)
+            prefix = prefix[: self.prefix_ok(prefix)]
+            request.num_computed = len(prefix) * self.blocks.block_size
+            n = min(len(tokens) - request.num_computed, budget, self.config.max_prefill_chunk)
+            try:
+                self.blocks.allocate(request.seq_id, prefix, request.num_computed + n, tokens)
+            except OutOfBlocks:
+                request.num_computed = 0
+                break
+            self.waiting.pop(0)
+            if not request.output:
+                request.cached_tokens = request.num_computed
+            request.status = Status.RUNNING
+            if request.timings.scheduled is None:
+                request.timings.scheduled = time.perf_counter()
+            self.running.append(request)
+            out.items.append(Scheduled(request, n, admitted=True, prefix_blocks=len(prefix)))
+            budget -= n
+        return budget
