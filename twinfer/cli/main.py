@@ -43,7 +43,10 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: all).")] = 64,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for reproducible sampling.")] = None,  # noqa: UP045
     backend: BackendOpt = "auto",
-    chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template.")] = True,
+    chat: Annotated[
+        Optional[bool],  # noqa: UP045
+        typer.Option("--chat/--raw", help="Wrap the prompt in the chat template (default: only for chat-tuned models)."),
+    ] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
 ) -> None:
     """Stream a completion of PROMPT to stdout."""
@@ -71,6 +74,56 @@ def eval_kl(
 
 
 # -- commands added by later modules go below this line (keep each body a lazy import) ----------
+
+HardwareOpt = Annotated[
+    str,
+    typer.Option("--hardware", help="auto (probe this machine), cpu, or a name from `twinfer hw --list`; "
+                 "a Mac's memory size goes after @ (m2-max-38c@64)."),
+]
+
+
+@app.command()
+def plan(
+    model: Annotated[Optional[str], typer.Argument(  # noqa: UP045
+        help="GGUF file, model folder, or a catalog name (--list-models). Default: the embedded Gemma 3 270M.")] = None,
+    hardware: HardwareOpt = "auto",
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="GPUs per node.")] = None,  # noqa: UP045
+    nodes: Annotated[Optional[int], typer.Option("--nodes", help="Nodes (pipeline stages span nodes).")] = None,  # noqa: UP045
+    fmt: Annotated[str, typer.Option("--format", help="Weight format (bf16, fp8, nvfp4, q4_k_m, tq4...) or auto.")] = "auto",
+    kv_format: Annotated[str, typer.Option("--kv-format", help="KV-cache format (bf16, fp8, q8_0, tq4...) or auto.")] = "auto",
+    context: Annotated[Optional[int], typer.Option("--context", help="Tokens per sequence (default 4096).")] = None,  # noqa: UP045
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Sequences decoded together.")] = 1,
+    memory_budget: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--memory-budget", help="Cap on memory used per device, e.g. 12GB.")] = None,
+    params: Annotated[Optional[str], typer.Option("--params", help="Plan a model known only by size: 2.8T.")] = None,  # noqa: UP045
+    active_params: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--active-params", help="Active parameters per token of a --params MoE: 60B.")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", help="Layers of a --params model.")] = None,  # noqa: UP045
+    experts: Annotated[Optional[int], typer.Option("--experts", help="Routed experts of a --params MoE.")] = None,  # noqa: UP045
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Experts per token of a --params MoE.")] = None,  # noqa: UP045
+    calibration: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--calibration", help="JSON file overriding efficiency factors (see planners/calibration.py).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    list_models: Annotated[bool, typer.Option("--list-models", help="List the built-in catalog and exit.")] = False,
+) -> None:
+    """Dry run: what fits, with which strategy, why, and the predicted speed."""
+    from twinfer.cli.plan_cmd import run_plan
+
+    run_plan(model, hardware, gpus, nodes, fmt, kv_format, context, concurrency, memory_budget, params,
+             active_params, layers, experts, top_k, calibration, json_out, list_models)
+
+
+@app.command()
+def hw(
+    list_table: Annotated[bool, typer.Option("--list", help="Print the published hardware table.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    measure: Annotated[bool, typer.Option("--measure", help="Measure read (and GPU copy) bandwidth.")] = False,
+    hardware: HardwareOpt = "auto",
+) -> None:
+    """The hardware profile the planner sees (detected; --measure probes bandwidth)."""
+    from twinfer.cli.hw_cmd import run_hw
+
+    run_hw(list_table, json_out, measure, hardware)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import partial
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from twinfer.runtime.engine.scheduler import Schedule, Scheduler, SchedulerConfi
 from twinfer.runtime.errors import RequestError
 from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.runner import Runner
+from twinfer.runtime.tokenizer.detok import StreamDecoder
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,8 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         new_decoder = None
-        if self.tokenizer is not None and hasattr(self.tokenizer, "stream_decoder"):
-            new_decoder = self.tokenizer.stream_decoder
+        if self.tokenizer is not None:
+            new_decoder = partial(StreamDecoder, self.tokenizer, True, tokens[-4:])
         request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -289,4 +291,4 @@ class Engine:
     def _piece(self, token: int) -> str:
         if self.tokenizer is None:
             return "x"
-        return self.tokenizer.decode([token])
+        return str(self.tokenizer.decode([token]))

@@ -1,0 +1,36 @@
+"""`twinfer generate`: stream one completion to stdout."""
+
+from __future__ import annotations
+
+import sys
+
+from twinfer.runtime.engine import Engine, EngineConfig, SamplingParams
+from twinfer.runtime.errors import RequestError
+from twinfer.runtime.load import open_model
+
+
+def run_generate(model: str | None, prompt: str, max_tokens: int, temperature: float, top_p: float,
+                 top_k: int, seed: int | None, backend: str, chat: bool | None, threads: int | None) -> None:
+    if not prompt.strip():
+        raise RequestError("the prompt is empty: give the text to continue, e.g. twinfer generate 'Hello'")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    opened = open_model(model, backend, max_seqs=1, ctx=4096, threads=threads)
+    tokenizer = opened.tokenizer
+    if chat is None:
+        chat = opened.instruct
+    if chat and tokenizer.chat_template:
+        tokens = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    else:
+        tokens = tokenizer.encode(prompt)
+    engine = Engine(opened.runner, tokenizer, EngineConfig(max_seqs=1))
+    engine.add_request(tokens, params)
+    reason = None
+    while engine.has_work:
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            if out.finished:
+                reason = out.finish_reason
+    sys.stdout.write("\n")
+    if reason == "loop":
+        print("twinfer: generation stopped: the model repeated itself (loop guard)", file=sys.stderr)

@@ -1,0 +1,114 @@
+"""Open a model for generation: pick the backend, build the runner, load the tokenizer.
+
+Every front end (generate, chat, serve, bench, eval) opens models through `open_model`, so the
+backend choice and its error messages live in one place. Backends are imported here lazily.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from twinfer.runtime.errors import BackendUnavailable, ModelError
+from twinfer.runtime.loaders import LoadedModel, default_model_path, load_model
+from twinfer.runtime.runner import Runner
+
+BACKENDS = ("auto", "llamacpp", "torch", "mlx")
+_MODULES = {"llamacpp": "llama_cpp", "torch": "torch", "mlx": "mlx"}
+_EXTRAS = {"llamacpp": "pip install llama-cpp-python", "torch": "pip install 'twinfer[cuda]'",
+           "mlx": "pip install 'twinfer[metal]'"}
+
+
+@dataclass
+class OpenedModel:
+    runner: Runner
+    tokenizer: Any
+    loaded: LoadedModel | None
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.runner.spec.name or self.path.stem
+
+    @property
+    def instruct(self) -> bool:
+        """Whether the model was tuned to chat (its name says -it/instruct/chat) and has a template.
+
+        Base models (the embedded Gemma 3 270M is one) continue text; wrapping their prompt in a
+        chat template makes them worse, so front ends send them raw text by default.
+        """
+        meta = self.loaded.metadata if self.loaded else {}
+        names = " ".join(str(meta.get(k, "")) for k in ("general.name", "general.finetune", "_name_or_path"))
+        names = f"{names} {self.path.name}".lower()
+        tuned = any(tag in names for tag in ("-it", " it", "instruct", "chat", "-sft"))
+        return tuned and bool(getattr(self.tokenizer, "chat_template", None))
+
+
+def resolve_path(model: str | None) -> Path:
+    """The model path a user means: theirs, or the embedded default."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelError(f"model path {model!r} does not exist: give a GGUF file or a Hugging Face model folder")
+    return path
+
+
+def available(backend: str) -> bool:
+    return importlib.util.find_spec(_MODULES[backend]) is not None
+
+
+def choose_backend(backend: str, path: Path) -> str:
+    """`auto` means llama.cpp for GGUF files, torch for Hugging Face folders (MLX where torch is absent)."""
+    if backend not in BACKENDS:
+        raise BackendUnavailable(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        is_gguf = path.is_file()
+        order = ("llamacpp", "torch", "mlx") if is_gguf else ("torch", "mlx")
+        for name in order:
+            if available(name):
+                return name
+        raise BackendUnavailable(f"no backend can run {path}: install one ({'; '.join(_EXTRAS.values())})")
+    if not available(backend):
+        raise BackendUnavailable(f"backend {backend!r} is not installed: {_EXTRAS[backend]}")
+    if backend == "llamacpp" and not path.is_file():
+        raise BackendUnavailable(f"the llamacpp backend runs GGUF files; {path} is a folder (use --backend torch)")
+    return backend
+
+
+def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, ctx: int = 4096,
+               threads: int | None = None, dtype: str | None = None, device: str | None = None) -> OpenedModel:
+    """Load `model` (None: the default) on `backend` with room for `ctx` KV tokens over `max_seqs` sequences."""
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    path = resolve_path(model)
+    backend = choose_backend(backend, path)
+    if backend == "llamacpp":
+        from twinfer.backends.llamacpp.runner import LlamaCppRunner
+
+        loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk
+        runner: Runner = LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec)
+    else:
+        loaded = load_model(path)
+        runner = _ops_runner(backend, loaded, ctx, threads, dtype, device)
+    return OpenedModel(runner, load_tokenizer(path), loaded, path)
+
+
+def _ops_runner(backend: str, loaded: LoadedModel, ctx: int, threads: int | None,
+                dtype: str | None, device: str | None) -> Runner:
+    if backend == "torch":
+        import torch
+
+        from twinfer.backends.cuda.runner import load_torch_runner
+
+        if threads:
+            torch.set_num_threads(threads)
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        default = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+        torch_dtype = getattr(torch, dtype) if dtype else default
+        return load_torch_runner(loaded, device=dev, dtype=torch_dtype, kv_tokens=ctx)
+    from twinfer.backends.metal.runner import load_mlx_runner
+
+    return load_mlx_runner(loaded, kv_tokens=ctx, dtype=dtype or "float32")
