@@ -1,0 +1,18 @@
+"""`twinfer eval kl`: fidelity of a candidate against a reference."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from twinfer.quant.fidelity import measure_kl
+
+
+def run_eval_kl(model: str | None, reference: str, candidate: str, corpus: str, tokens: int, window: int,
+                json_out: bool) -> None:
+    report = measure_kl(model, reference, candidate, corpus, tokens, window)
+    if json_out:
+        typer.echo(json.dumps(report.as_dict()))
+    else:
+        typer.echo("\n".join(report.lines()))

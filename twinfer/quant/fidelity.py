@@ -1,0 +1,117 @@
+"""`twinfer eval kl`: score a reference and a candidate on the same token stream.
+
+A SPEC names where logits come from: a twinfer backend (`llamacpp`, `torch`, `mlx`) running the
+model, `transformers` (Hugging Face in fp32 on the same file, GGUF included), or another model path
+(same tokenizer) run with the automatic backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from twinfer.quant.kl import KLAccumulator, KLReport
+from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+from twinfer.runtime.corpus import corpus_text
+from twinfer.runtime.errors import TwinferError
+from twinfer.runtime.load import open_model, resolve_path
+from twinfer.runtime.runner import Runner
+
+RUNNER_SPECS = ("llamacpp", "torch", "mlx")
+
+
+class LogitSource(Protocol):
+    """Teacher-forced logits for one window of tokens: [len(tokens), vocab] float32."""
+
+    def logits(self, tokens: list[int]) -> np.ndarray: ...
+
+
+class RunnerSource:
+    """Any twinfer runner; each window is a fresh sequence at position 0."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self._seq = 0
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        bs = self.runner.kv.block_size
+        table = list(range(-(-len(tokens) // bs)))
+        self._seq += 1
+        chunk = SeqChunk(self._seq, tokens, 0, table, LogitsWanted.ALL)
+        try:
+            return self.runner.step(StepBatch([chunk]))
+        finally:
+            self.runner.release(self._seq)
+
+
+class TransformersSource:
+    """Hugging Face transformers in fp32 on the same file (GGUF through transformers' own loader)."""
+
+    def __init__(self, path: Path):
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM
+        except ImportError as exc:
+            raise TwinferError(f"the transformers reference needs torch and transformers: {exc}") from exc
+        kwargs: dict[str, object] = {"dtype": torch.float32}
+        if path.is_file():
+            kwargs["gguf_file"] = path.name
+            path = path.parent
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+        self._torch = torch
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        with self._torch.no_grad():
+            out = self.model(self._torch.tensor([tokens])).logits[0]
+        return out.float().numpy()
+
+
+def open_source(spec: str, model: str | None, window: int) -> LogitSource:
+    if spec == "transformers":
+        return TransformersSource(resolve_path(model))
+    if spec in RUNNER_SPECS:
+        return RunnerSource(open_model(model, spec, max_seqs=2, ctx=_ctx_for(window)).runner)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return RunnerSource(open_model(str(path), "auto", max_seqs=2, ctx=_ctx_for(window)).runner)
+    raise TwinferError(
+        f"unknown SPEC {spec!r}: use llamacpp, torch, mlx, transformers, or the path of a model"
+    )
+
+
+def _ctx_for(window: int) -> int:
+    return max(256, -(-(window + 1) // 256) * 256)
+
+
+def corpus_windows(model: str | None, corpus: str, tokens: int, window: int) -> Iterator[list[int]]:
+    """Windows of `window` tokens (BOS first where the model uses one) covering `tokens` tokens."""
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    if tokens < 1 or window < 2:
+        raise TwinferError("--tokens must be >= 1 and --window >= 2")
+    tokenizer = load_tokenizer(resolve_path(model))
+    stream = tokenizer.encode(corpus_text(corpus, max_chars=tokens * 12 + 10_000), add_special_tokens=False)
+    if len(stream) < tokens:
+        raise TwinferError(f"corpus {corpus!r} has only {len(stream)} tokens, fewer than --tokens {tokens}")
+    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    body = window - len(bos)
+    for start in range(0, tokens, body):
+        yield bos + stream[start : min(start + body, tokens)]
+
+
+def measure_kl(model: str | None, reference: str, candidate: str, corpus: str, tokens: int,
+               window: int = 256) -> KLReport:
+    """KL(reference || candidate) over `tokens` corpus tokens, scored in teacher-forced windows.
+
+    Each scored row is a position whose next token is in the window (the last row is not scored).
+    """
+    windows = list(corpus_windows(model, corpus, tokens, window))
+    ref, cand = open_source(reference, model, window), open_source(candidate, model, window)
+    acc = KLAccumulator()
+    for tokens_w in windows:
+        if len(tokens_w) > 1:
+            acc.add(ref.logits(tokens_w)[:-1], cand.logits(tokens_w)[:-1])
+    return acc.report(reference, candidate, str(corpus))
