@@ -1,0 +1,48 @@
+"""Tokenizers, streaming detokenization and chat templates.
+
+- `load_tokenizer(path)`: a `Tokenizer` for a GGUF file (ids identical to llama.cpp's) or a Hugging Face
+  model folder (tokenizer.json);
+- `StreamDecoder`: token ids -> text as they are generated, never splitting a character;
+- `render_chat`: a model's Jinja chat template rendered as transformers renders it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from twinfer.runtime.errors import ModelError
+from twinfer.runtime.tokenizer.chat import FALLBACK_TEMPLATE, render_chat, validate_messages
+from twinfer.runtime.tokenizer.detok import StreamDecoder
+from twinfer.runtime.tokenizer.gguf_meta import is_gguf
+from twinfer.runtime.tokenizer.tokenizer import Tokenizer
+
+__all__ = [
+    "FALLBACK_TEMPLATE",
+    "StreamDecoder",
+    "Tokenizer",
+    "load_tokenizer",
+    "render_chat",
+    "validate_messages",
+]
+
+
+def load_tokenizer(path: str | Path | None = None, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a model: a GGUF file, or a Hugging Face folder with tokenizer.json.
+
+    None means the embedded default model. `cache_dir` is where GGUF vocabularies are cached once
+    converted (default: the user cache dir).
+    """
+    if path is None:
+        from twinfer.runtime.loaders import default_model_path
+
+        path = default_model_path()
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return Tokenizer.from_hf(p)
+    if is_gguf(p):
+        return Tokenizer.from_gguf(p, cache_dir=cache_dir)
+    if p.is_file():
+        raise ModelError(
+            f"{p} is neither a GGUF file nor a model folder; pass a .gguf file or a folder with tokenizer.json"
+        )
+    raise ModelError(f"model path not found: {p}")

@@ -1,0 +1,80 @@
+"""Streaming detokenization: turn generated token ids into text as they arrive.
+
+`StreamDecoder` decodes a short window of recent tokens with a prefix offset (the technique of vLLM's
+and mlx-lm's incremental detokenizers): text is emitted only when the window decodes to something that
+does not end in U+FFFD, so a character split over several byte tokens (`<0xF0><0x9F><0x98><0x80>`) is
+emitted once, whole. Decoding the window from an already-emitted token, instead of from the new token
+alone, keeps SentencePiece's "▁" leading spaces and byte-level merges right at window edges.
+Cost per token is O(window), and the window is reset after every emission: O(1) amortized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_REPLACEMENT = "\ufffd"
+
+
+class _Decodes(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class StreamDecoder:
+    """Incremental detokenizer for one sequence.
+
+    Who calls it: the engine, once per generated token of a request. Contract: the concatenation of
+    every `push` result and the final `flush` equals `tokenizer.decode(all pushed ids)` (with the same
+    `skip_special_tokens`), and no returned string ends inside a character.
+
+    `context_ids`: tokens already in the sequence (e.g. the prompt's last few tokens) that are decoded for
+    context but never emitted, so the first generated word gets its leading space where a SentencePiece
+    decoder would otherwise strip it.
+    """
+
+    def __init__(
+        self, tokenizer: _Decodes, skip_special_tokens: bool = False, context_ids: Sequence[int] = ()
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(context_ids)
+        # ids[prefix:read] decode to text that was already emitted; ids[read:] are not emitted yet.
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids) if self._ids else ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is still incomplete)."""
+        self._ids.append(token_id)
+        text = self._decode(self._ids[self._prefix :])
+        if text.endswith(_REPLACEMENT) or len(text) <= len(self._prefix_text):
+            return ""
+        new_text = text[len(self._prefix_text) :]
+        self._advance()
+        return new_text
+
+    def flush(self) -> str:
+        """Return whatever is still held back (e.g. an incomplete character at the end, as U+FFFD)."""
+        if self._read == len(self._ids):
+            return ""
+        text = self._decode(self._ids[self._prefix :])
+        new_text = text[len(self._prefix_text) :]
+        self._advance()
+        return new_text
+
+    def _advance(self) -> None:
+        # The window restarts at the tokens just emitted: they are the context for the next ones.
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+        if self._prefix > 64:  # drop ids no window will read again
+            del self._ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Pushed ids not yet dropped (context ids included); for debugging."""
+        return list(self._ids)
