@@ -75,6 +75,32 @@ def eval_kl(
 
 # -- commands added by later modules go below this line (keep each body a lazy import) ----------
 
+
+@app.command()
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; anything but loopback is reachable by others.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--api-key", envvar="TWINFER_API_KEY", show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on every /v1 route.")] = None,
+    backend: BackendOpt = "auto",
+    max_seqs: Annotated[int, typer.Option("--max-seqs", help="Requests computed at once.")] = 16,
+    ctx: Annotated[int, typer.Option("--ctx", help="KV-cache tokens (also the longest prompt + completion).")] = 4096,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond --max-seqs; past it, 429.")] = 64,
+    served_model_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--served-model-name", help="The model name clients send (default: the file or folder name).")] = None,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds SIGTERM waits for in-flight requests.")] = 30.0,
+    max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body accepted (413 above).")] = 4.0,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    from twinfer.cli.serve_cmd import run_serve
+
+    run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
+              drain_timeout, max_body_mb, log_level)
+
 HardwareOpt = Annotated[
     str,
     typer.Option("--hardware", help="auto (probe this machine), cpu, or a name from `twinfer hw --list`; "

@@ -1,0 +1,34 @@
+"""`twinfer hw`: the hardware profile the planner sees, the published table, or a measurement."""
+
+from __future__ import annotations
+
+import json
+
+
+def run_hw(list_table: bool, json_out: bool, measure: bool, hardware: str) -> None:
+    from twinfer.planners.report import render_cluster, render_devices
+
+    if list_table:
+        from twinfer.planners.hw_table import DEVICES, NODES
+
+        rows = [d.row() for d in DEVICES.values()] + [n.row(DEVICES[n.device]) for n in NODES]
+        print(json.dumps(rows, indent=1) if json_out else render_devices(rows))
+        return
+    from twinfer.cli.plan_cmd import resolve_cluster
+    from twinfer.planners import probe
+
+    measured: dict[str, float] = {}
+    if measure:
+        measured["cpu read bandwidth"] = probe.measure_cpu_bandwidth()
+        gpu = probe.measure_gpu_copy_bandwidth()
+        if gpu is not None:
+            measured["gpu copy bandwidth"] = gpu
+    cluster = resolve_cluster(hardware, None, None, None)
+    if json_out:
+        out = cluster.device.row()
+        out.update(gpus_per_node=cluster.gpus_per_node, nodes=cluster.nodes,
+                   capacity_bytes_per_device=cluster.capacity_per_device, measured=measured,
+                   notes=list(cluster.notes))
+        print(json.dumps(out, indent=1))
+    else:
+        print(render_cluster(cluster, measured))

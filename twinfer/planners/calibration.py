@@ -1,0 +1,105 @@
+"""Efficiency factors: how much of the hardware's peak each engine reaches, per device class.
+
+Peaks come from the hardware table; these factors turn them into predictions. Each was fitted to
+public measurements recorded in docs/planner-accuracy.md (the doc shows the fit and the residuals),
+and each can be replaced by a measurement: `Calibration.load(path)` reads a JSON object
+`{"llamacpp/cpu": {"bandwidth": 0.8, ...}, ...}` that overrides any field of any entry.
+
+The per-layer cost is expressed in GPU clock cycles because the small kernels of a decode step
+(norms, rope, router, launches) are latency-bound: the same kernel sequence takes about the same
+number of cycles on an A100 and an H100, so its time scales with 1/clock, not with bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from twinfer.planners.hardware import APPLE, CPU, Device
+from twinfer.runtime.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak, and fixed costs, for one engine on one class of device."""
+
+    bandwidth: float = 0.85  # of peak memory bandwidth, streaming weights and KV in decode
+    tensor: float = 0.5  # of dense tensor FLOPs in large GEMMs (prefill, big decode batches)
+    vector: float = 0.5  # of the FP32 vector rate, in dequantization loops
+    overlap_loss: float = 0.3  # share of the shorter of (memory, ALU) time a fused kernel fails to hide
+    layer_cycles: float = 60e3  # fixed GPU cycles per layer per step (launches, norms, small ops)
+    moe_layer_factor: float = 1.5  # an MoE layer's fixed cost relative to a dense layer's
+    step_s: float = 0.0  # fixed host time per step (scheduling, sampling)
+    collective_s: float = 10e-6  # latency of one all-reduce / all-to-all inside a node
+    hop_s: float = 20e-6  # latency of one pipeline hop between nodes
+    dual_die: float = 0.85  # bandwidth factor on two-die packages (Apple Ultra)
+
+
+# (engine, device class) -> factors. Device classes: "hbm" and "gddr" GPUs (LPDDR GPUs count as
+# gddr), "apple", "cpu". Fitted values; docs/planner-accuracy.md lists the data behind each.
+DEFAULTS: dict[str, Efficiency] = {
+    # llama.cpp CUDA, Llama-2-7B Q4_0 scoreboard (discussion #15013) and gpt-oss runs: consumer
+    # cards sit at ~60k cycles/layer, HBM parts at ~130k (their batch-1 kernels wait on HBM latency).
+    "llamacpp/gddr": Efficiency(bandwidth=0.85, tensor=0.3, layer_cycles=60e3, moe_layer_factor=1.4),
+    "llamacpp/hbm": Efficiency(bandwidth=0.85, tensor=0.1, layer_cycles=130e3, moe_layer_factor=1.7),
+    # llama.cpp Metal, Apple scoreboard (discussion #4167): M4 Pro vs M4 Max separates the
+    # bandwidth term from the fixed per-layer term.
+    "llamacpp/apple": Efficiency(bandwidth=0.90, tensor=0.65, layer_cycles=211e3, moe_layer_factor=1.0),
+    "mlx/apple": Efficiency(bandwidth=0.90, tensor=0.65, layer_cycles=211e3, moe_layer_factor=1.0),
+    # CPU: bandwidth relative to the *measured* read bandwidth (twinfer hw --measure); cycles are CPU
+    # cycles per layer for thread synchronisation. Calibrate with `twinfer bench` on the machine.
+    "llamacpp/cpu": Efficiency(bandwidth=0.9, tensor=0.5, vector=0.35, overlap_loss=0.5, layer_cycles=30e3,
+                               moe_layer_factor=1.5, step_s=0.4e-3),
+    "torch/cpu": Efficiency(bandwidth=0.6, tensor=0.3, vector=0.2, overlap_loss=0.5, layer_cycles=400e3,
+                            moe_layer_factor=2.0, step_s=2e-3),
+    # vLLM/SGLang-class serving (CUDA graphs, fused MoE): Llama-3.1-8B BF16 on A100 and H100 fit
+    # bandwidth 0.86 and ~56k cycles/layer. twinfer's CUDA backend is planned against the same
+    # factors until `twinfer bench` measures it.
+    "vllm/hbm": Efficiency(bandwidth=0.86, tensor=0.6, layer_cycles=56e3, moe_layer_factor=1.5),
+    "vllm/gddr": Efficiency(bandwidth=0.86, tensor=0.5, layer_cycles=56e3, moe_layer_factor=1.5),
+    "torch/hbm": Efficiency(bandwidth=0.86, tensor=0.6, layer_cycles=56e3, moe_layer_factor=1.5),
+    "torch/gddr": Efficiency(bandwidth=0.86, tensor=0.5, layer_cycles=56e3, moe_layer_factor=1.5),
+    "torch/apple": Efficiency(bandwidth=0.7, tensor=0.4, layer_cycles=400e3, moe_layer_factor=1.5),
+}
+ALIASES = {"sglang": "vllm", "trtllm": "vllm", "cuda": "torch", "metal": "mlx"}
+
+
+def device_class(device: Device) -> str:
+    if device.kind == APPLE:
+        return "apple"
+    if device.kind == CPU:
+        return "cpu"
+    return "hbm" if device.memory_type == "hbm" else "gddr"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The factor table in force: defaults plus any overrides loaded from a file."""
+
+    table: tuple[tuple[str, Efficiency], ...] = tuple(DEFAULTS.items())
+
+    def get(self, engine: str, device: Device) -> Efficiency:
+        engine = ALIASES.get(engine, engine)
+        cls = device_class(device)
+        table = dict(self.table)
+        for key in (f"{engine}/{cls}", f"{engine}/gddr" if cls == "hbm" else "", f"torch/{cls}"):
+            if key in table:
+                return table[key]
+        return Efficiency()
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        try:
+            data: dict[str, Any] = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"cannot read calibration file {path}: {exc}") from exc
+        table = dict(DEFAULTS)
+        names = {f.name for f in fields(Efficiency)}
+        for key, values in data.items():
+            unknown = set(values) - names
+            if unknown:
+                raise PlanError(f"calibration {key}: unknown fields {sorted(unknown)}; known: {sorted(names)}")
+            table[key] = replace(table.get(key, Efficiency()), **values)
+        return cls(tuple(table.items()))

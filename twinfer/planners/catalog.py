@@ -1,0 +1,138 @@
+"""Published architectures the planner knows by name, transcribed from each model's config.json.
+
+`twinfer plan llama-3.1-70b` needs no download. Each entry records where its numbers come from
+(the Hugging Face repository whose config.json they are) and the format its weights are published in.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from twinfer.planners.hardware import normalize
+from twinfer.planners.model import ModelProfile, profile_from_spec
+from twinfer.runtime.errors import PlanError
+from twinfer.runtime.spec import FULL, SLIDING, MLASpec, ModelSpec, MoESpec
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    spec: ModelSpec
+    repo: str  # Hugging Face repository of the config.json
+    native: str = "bf16"
+    aliases: tuple[str, ...] = ()
+
+    def profile(self) -> ModelProfile:
+        return profile_from_spec(self.spec, name=self.name, native=self.native, source=f"catalog ({self.repo})")
+
+
+def _every(n: int, layers: int, offset: int = 0) -> tuple[str, ...]:
+    """Gemma 3 / gpt-oss layer pattern: every n-th layer (1-based, after offset) is global."""
+    return tuple(FULL if (i + 1 + offset) % n == 0 else SLIDING for i in range(layers))
+
+
+def _llama(name: str, repo: str, d: int, L: int, h: int, kv: int, inter: int, vocab: int = 128256,
+           theta: float = 500000.0, max_pos: int = 131072) -> Entry:
+    spec = ModelSpec(model_type="llama", name=name, vocab_size=vocab, hidden_size=d, num_layers=L, num_heads=h,
+                     num_kv_heads=kv, head_dim=d // h, intermediate_size=inter, max_position=max_pos,
+                     rope_theta=theta, rms_norm_eps=1e-5)
+    return Entry(name, spec, repo)
+
+
+def _qwen3(name: str, d: int, L: int, h: int, kv: int, inter: int, tied: bool) -> Entry:
+    spec = ModelSpec(model_type="qwen3", name=name, vocab_size=151936, hidden_size=d, num_layers=L, num_heads=h,
+                     num_kv_heads=kv, head_dim=128, intermediate_size=inter, max_position=40960,
+                     rope_theta=1e6, qk_norm=True, tie_word_embeddings=tied)
+    return Entry(name, spec, f"Qwen/{name.replace('qwen3', 'Qwen3').replace('b', 'B')}")
+
+
+def _qwen3_moe(name: str, repo: str, d: int, L: int, h: int, inter: int, moe_inter: int) -> Entry:
+    spec = ModelSpec(model_type="qwen3_moe", name=name, vocab_size=151936, hidden_size=d, num_layers=L,
+                     num_heads=h, num_kv_heads=4, head_dim=128, intermediate_size=inter, max_position=40960,
+                     rope_theta=1e6, qk_norm=True,
+                     moe=MoESpec(num_experts=128, top_k=8, expert_intermediate_size=moe_inter))
+    return Entry(name, spec, repo)
+
+
+_MLA = MLASpec(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+
+
+def _deepseek(name: str, repo: str, heads: int, experts: int, dense: int, vocab: int, max_pos: int) -> Entry:
+    spec = ModelSpec(model_type="deepseek_v3", name=name, vocab_size=vocab, hidden_size=7168, num_layers=61,
+                     num_heads=heads, num_kv_heads=heads, head_dim=192, intermediate_size=18432,
+                     max_position=max_pos, mla=_MLA,
+                     moe=MoESpec(num_experts=experts, top_k=8, expert_intermediate_size=2048, num_shared_experts=1,
+                                 shared_intermediate_size=2048, first_dense_layers=dense,
+                                 router_softmax_before_topk=False))
+    return Entry(name, spec, repo, native="fp8")
+
+
+def _glm(name: str, repo: str, d: int, L: int, inter: int, moe_inter: int, experts: int, dense: int) -> Entry:
+    spec = ModelSpec(model_type="glm4_moe", name=name, vocab_size=151552, hidden_size=d, num_layers=L, num_heads=96,
+                     num_kv_heads=8, head_dim=128, intermediate_size=inter, max_position=131072, rope_theta=1e6,
+                     attention_bias=True, rms_norm_eps=1e-5,
+                     moe=MoESpec(num_experts=experts, top_k=8, expert_intermediate_size=moe_inter,
+                                 num_shared_experts=1, shared_intermediate_size=moe_inter, first_dense_layers=dense,
+                                 router_softmax_before_topk=False))
+    return Entry(name, spec, repo)
+
+
+def _gpt_oss(name: str, L: int, experts: int) -> Entry:
+    spec = ModelSpec(model_type="gpt_oss", name=name, vocab_size=201088, hidden_size=2880, num_layers=L,
+                     num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, max_position=131072,
+                     rope_theta=150000.0, sliding_window=128, layer_types=_every(2, L), attention_bias=True,
+                     rms_norm_eps=1e-5, moe=MoESpec(num_experts=experts, top_k=4, expert_intermediate_size=2880))
+    return Entry(name, spec, f"openai/{name}", native="mxfp4-moe")
+
+
+def _gemma3(name: str, repo: str, d: int, L: int, h: int, kv: int, hd: int, inter: int, vocab: int, window: int,
+            scalar: float, max_pos: int) -> Entry:
+    spec = ModelSpec(model_type="gemma3", name=name, vocab_size=vocab, hidden_size=d, num_layers=L, num_heads=h,
+                     num_kv_heads=kv, head_dim=hd, intermediate_size=inter, max_position=max_pos, rope_theta=1e6,
+                     rope_local_theta=1e4, sliding_window=window, layer_types=_every(6, L), hidden_act="gelu_tanh",
+                     tie_word_embeddings=True, qk_norm=True, embed_scale=True, query_pre_attn_scalar=scalar)
+    return Entry(name, spec, repo)
+
+
+ENTRIES: list[Entry] = [
+    _llama("llama-2-7b", "meta-llama/Llama-2-7b-hf", 4096, 32, 32, 32, 11008, vocab=32000, theta=1e4, max_pos=4096),
+    _llama("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 4096, 32, 32, 8, 14336),
+    _llama("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8192, 80, 64, 8, 28672),
+    _llama("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 16384, 126, 128, 8, 53248),
+    _qwen3("qwen3-0.6b", 1024, 28, 16, 8, 3072, tied=True),
+    _qwen3("qwen3-1.7b", 2048, 28, 16, 8, 6144, tied=True),
+    _qwen3("qwen3-4b", 2560, 36, 32, 8, 9728, tied=True),
+    _qwen3("qwen3-8b", 4096, 36, 32, 8, 12288, tied=False),
+    _qwen3("qwen3-14b", 5120, 40, 40, 8, 17408, tied=False),
+    _qwen3("qwen3-32b", 5120, 64, 64, 8, 25600, tied=False),
+    _qwen3_moe("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 2048, 48, 32, 6144, 768),
+    _qwen3_moe("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", 4096, 94, 64, 12288, 1536),
+    _deepseek("deepseek-v3", "deepseek-ai/DeepSeek-V3", 128, 256, 3, 129280, 163840),
+    _deepseek("deepseek-r1", "deepseek-ai/DeepSeek-R1", 128, 256, 3, 129280, 163840),
+    _deepseek("kimi-k2", "moonshotai/Kimi-K2-Instruct", 64, 384, 1, 163840, 131072),
+    _glm("glm-4.5", "zai-org/GLM-4.5", 5120, 92, 12288, 1536, 160, 3),
+    _glm("glm-4.5-air", "zai-org/GLM-4.5-Air", 4096, 46, 10944, 1408, 128, 1),
+    _gpt_oss("gpt-oss-20b", 24, 32),
+    _gpt_oss("gpt-oss-120b", 36, 128),
+    Entry("mixtral-8x7b", ModelSpec(
+        model_type="mixtral", name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, intermediate_size=14336, max_position=32768, rope_theta=1e6, rms_norm_eps=1e-5,
+        moe=MoESpec(num_experts=8, top_k=2, expert_intermediate_size=14336)), "mistralai/Mixtral-8x7B-v0.1"),
+    _gemma3("gemma-3-270m", "google/gemma-3-270m", 640, 18, 4, 1, 256, 2048, 262144, 512, 256.0, 32768),
+    _gemma3("gemma-3-27b", "google/gemma-3-27b-it", 5376, 62, 32, 16, 128, 21504, 262208, 1024, 168.0, 131072),
+]
+
+CATALOG: dict[str, Entry] = {e.name: e for e in ENTRIES}
+
+
+def find(name: str) -> Entry:
+    """Catalog entry by name (case and punctuation tolerant); a PlanError lists close matches."""
+    key = normalize(name).replace("_", "-")
+    for e in ENTRIES:
+        if key in (normalize(e.name), *map(normalize, e.aliases)) or key == normalize(e.repo.split("/")[-1]):
+            return e
+    close = difflib.get_close_matches(key, list(CATALOG), n=4, cutoff=0.4)
+    hint = f"; close matches: {', '.join(close)}" if close else ""
+    raise PlanError(f"{name!r} is not a file, a model folder, or a catalog model{hint} "
+                    f"(catalog: {', '.join(CATALOG)})")

@@ -1,0 +1,210 @@
+"""The cost model: seconds per decode step and per prefill, from bytes, FLOPs, dequantization and links.
+
+One decode step on one device moves its share of the weights and the KV cache (time at the device's
+bandwidth), multiplies (time at its tensor peak) and, for formats its matrix units cannot consume,
+expands weights on the vector units (the dequantization term). A fused kernel overlaps memory and ALU
+work, imperfectly (`overlap_loss`). Added to that: a fixed cost per layer in GPU cycles, tensor-parallel
+all-reduces over the node's link, expert streaming for local MoE plans, and pipeline hops between nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from twinfer.planners.calibration import Calibration, Efficiency
+from twinfer.planners.formats import COMPONENTS, FORMATS, KVFormat, Mix
+from twinfer.planners.hardware import CPU, Cluster, Device
+from twinfer.planners.model import ModelProfile
+
+HOST_DRAM_GBS = 60.0  # experts left in host RAM run at desktop DDR5 speed (llama.cpp --n-cpu-moe)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a model: formats, runner, parallel layout, expert streaming, pruning."""
+
+    mix: Mix
+    kv: KVFormat
+    engine: str
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dp: int = 1
+    stream_fraction: float = 0.0  # share of routed-expert bytes not resident, read from slower memory
+    prune: float = 0.0  # share of routed experts (MoE) or layers (dense) removed
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    def label(self) -> str:
+        parts = [self.mix.label or self.mix.name, f"KV {self.kv.label}", self.engine]
+        if self.devices_per_replica > 1 or self.dp > 1:
+            parts.append(f"TP{self.tp}" + (f" EP{self.ep}" if self.ep > 1 else "") + (f" PP{self.pp}" if self.pp > 1 else "")
+                         + (f" x{self.dp} replicas" if self.dp > 1 else ""))
+        if self.stream_fraction > 0:
+            parts.append(f"stream {self.stream_fraction:.0%} of experts")
+        if self.prune > 0:
+            parts.append(f"pruned {self.prune:.0%}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One decode step of every sequence in flight; times are per pipeline stage pass unless noted."""
+
+    latency_s: float  # time for each sequence to get its next token
+    tokens_per_s: float  # all sequences together
+    memory_s: float
+    compute_s: float
+    dequant_s: float
+    fixed_s: float
+    comm_s: float
+    stream_s: float
+
+    @property
+    def bound(self) -> str:
+        parts = {"memory bandwidth": self.memory_s, "compute": self.compute_s, "dequantization": self.dequant_s,
+                 "per-layer overhead": self.fixed_s, "interconnect": self.comm_s, "expert streaming": self.stream_s}
+        return max(parts, key=lambda k: parts[k])
+
+
+def _native(device: Device, fmt_name: str) -> bool:
+    f = FORMATS[fmt_name]
+    return f.family not in ("gguf", "turboquant") and f.compute in device.natives
+
+
+def kv_native(device: Device, kv: KVFormat) -> bool:
+    return kv.family == "float" and kv.compute in device.natives
+
+
+def _activation_dtype(device: Device) -> str:
+    return "bf16" if "bf16" in device.natives else "f16"
+
+
+def kv_shard(profile: ModelProfile, s: Strategy) -> int:
+    """How many ways a replica's KV cache is split: heads over TP (MLA's latent is replicated), layers over PP."""
+    heads = 1 if profile.spec.mla is not None else min(s.tp, profile.spec.num_kv_heads)
+    return heads * s.pp
+
+
+def kv_bytes_per_seq(profile: ModelProfile, kv: KVFormat, context: int) -> float:
+    """KV bytes one sequence holds at `context` tokens (sliding-window layers hold at most the window)."""
+    return profile.spec.kv_bytes_per_token(kv.bits / 8, context) * context
+
+
+def _ep_max_load(touched: float, ep: int) -> float:
+    """Experts the busiest of `ep` devices serves when `touched` experts spread at random."""
+    mean = touched / ep
+    return min(touched, mean + math.sqrt(2 * max(mean, 1e-9) * math.log(ep)))
+
+
+def _dequant_elems(profile: ModelProfile, device: Device, mix: Mix, touched: float) -> tuple[float, float]:
+    """(weights that need a dequantization loop, their ops per weight) read in one step."""
+    elems, ops = 0.0, 0.0
+    for comp in COMPONENTS:
+        if comp in ("norm", "router"):
+            continue
+        n = profile.count(comp)
+        if comp == "embed":
+            n = n if profile.tied else 0.0
+        elif comp in ("experts", "experts_down") and profile.moe:
+            n *= touched / profile.moe.num_experts
+        for fname, share in mix.split(comp):
+            if not _native(device, fname):
+                elems += n * share
+                ops += n * share * FORMATS[fname].dequant_ops
+    return elems, (ops / elems if elems else 0.0)
+
+
+def _fixed_cycles(profile: ModelProfile, eff: Efficiency, layers: float) -> float:
+    moe_share = profile.moe_layers / profile.spec.num_layers
+    return layers * eff.layer_cycles * (1 + moe_share * (eff.moe_layer_factor - 1))
+
+
+def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int, context: int,
+                cal: Calibration) -> StepTime:
+    """Time for every one of `batch` sequences (at `context` cached tokens) to decode one token."""
+    dev = cluster.device
+    eff = cal.get(s.engine, dev)
+    b = max(1, math.ceil(batch / s.dp))
+    micro = min(b, s.pp)
+    mb = b / micro  # sequences per microbatch
+    shard = s.tp * s.pp
+    touched = profile.touched_experts(mb)
+    dense = profile.step_bytes(s.mix, 0.0) / shard
+    expert_layer = profile.expert_bytes(s.mix) * profile.moe_layers / s.pp
+    share = _ep_max_load(touched, s.ep) if s.ep > 1 else touched / s.tp  # experts' bytes on the busiest device
+    experts = share * expert_layer
+    streamed = experts * s.stream_fraction
+    kv = mb * kv_bytes_per_seq(profile, s.kv, context) / kv_shard(profile, s)
+    bw = dev.bandwidth_gbs * 1e9 * eff.bandwidth * (eff.dual_die if dev.dies > 1 else 1.0)
+    memory_s = (dense + experts - streamed + kv) / bw
+
+    flops = mb * (2 * profile.active_params + profile.attention_flops_per_token(context)) / shard
+    dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
+    peak = dev.tflops(FORMATS[dtype].compute if _native(dev, dtype) else _activation_dtype(dev)) * 1e12
+    compute_s = flops / (peak * eff.tensor) if dev.kind != CPU else flops / (dev.vector_tflops * 1e12 * eff.tensor)
+    elems, ops = _dequant_elems(profile, dev, s.mix, touched)
+    passes = math.ceil(mb / (4 if dev.kind == CPU else 32))  # weights expanded once per tile of tokens
+    kv_ops = 0.0 if kv_native(dev, s.kv) else kv * 8 / s.kv.bits * s.kv.dequant_ops
+    dequant_s = (elems / shard * ops * passes + kv_ops) / (dev.vector_tflops * 1e12 * eff.vector)
+    alu = compute_s + dequant_s
+    kernel_s = max(memory_s, alu) + eff.overlap_loss * min(memory_s, alu)
+
+    layers = profile.spec.num_layers / s.pp
+    fixed_s = _fixed_cycles(profile, eff, layers) / (dev.clock_ghz * 1e9)
+    comm_s = 0.0
+    if s.tp > 1:
+        per_dir = dev.interconnect_gbs / 2 * 1e9
+        size = mb * profile.spec.hidden_size * 2
+        comm_s = 2 * layers * (eff.collective_s + 2 * (s.tp - 1) / s.tp * size / per_dir)
+    stream_bw = (dev.storage_gbs if dev.unified else HOST_DRAM_GBS) * 1e9
+    stream_s = streamed / stream_bw if streamed else 0.0
+    stage_s = kernel_s + fixed_s + comm_s + stream_s
+    hop_s = eff.hop_s + mb * profile.spec.hidden_size * 2 / (cluster.scale_out_gbs * 1e9)
+    latency = s.pp * stage_s + (s.pp - 1) * hop_s + eff.step_s
+    return StepTime(
+        latency_s=latency, tokens_per_s=batch / latency, memory_s=memory_s, compute_s=compute_s,
+        dequant_s=dequant_s, fixed_s=fixed_s + eff.step_s, comm_s=comm_s, stream_s=stream_s,
+    )
+
+
+def prefill_time(profile: ModelProfile, cluster: Cluster, s: Strategy, tokens: int, cal: Calibration) -> float:
+    """Seconds to process one prompt of `tokens` tokens (time to first token, without queueing)."""
+    dev = cluster.device
+    eff = cal.get(s.engine, dev)
+    tokens = max(1, tokens)
+    shard = s.tp * s.pp
+    spec = profile.spec
+    attn = 0.0
+    per_head = (2 * spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) if spec.mla else 2 * spec.head_dim
+    for layer in range(spec.num_layers):
+        w = spec.window(layer)
+        span = min(w, tokens) if w else tokens / 2  # causal: a token sees half the prompt on average
+        attn += 2.0 * spec.num_heads * per_head * tokens * span
+    flops = (2 * tokens * profile.active_params + attn) / shard
+    dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
+    if dev.kind == CPU:
+        peak = dev.vector_tflops * 1e12
+    else:
+        peak = dev.tflops(FORMATS[dtype].compute if _native(dev, dtype) else _activation_dtype(dev)) * 1e12
+    compute_s = flops / (peak * eff.tensor)
+    touched = profile.touched_experts(tokens)
+    weights = profile.step_bytes(s.mix, touched) / shard
+    memory_s = weights / (dev.bandwidth_gbs * 1e9 * eff.bandwidth)
+    elems, ops = _dequant_elems(profile, dev, s.mix, touched)
+    tile = 16 if dev.kind == CPU else 64
+    dequant_s = elems / shard * ops * math.ceil(tokens / tile) / (dev.vector_tflops * 1e12 * eff.vector)
+    chunk = 512 if s.engine == "llamacpp" else 2048
+    chunks = math.ceil(tokens / chunk)
+    fixed_s = chunks * _fixed_cycles(profile, eff, spec.num_layers) / (dev.clock_ghz * 1e9)
+    comm_s = 0.0
+    if s.tp > 1:
+        size = tokens * spec.hidden_size * 2
+        comm_s = 2 * spec.num_layers * (chunks * eff.collective_s
+                                        + 2 * (s.tp - 1) / s.tp * size / (dev.interconnect_gbs / 2 * 1e9))
+    hops = (s.pp - 1) * (eff.hop_s + tokens * spec.hidden_size * 2 / (cluster.scale_out_gbs * 1e9))
+    alu = compute_s + dequant_s
+    return max(alu, memory_s) + eff.overlap_loss * min(alu, memory_s) + fixed_s + comm_s + hops

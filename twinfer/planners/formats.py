@@ -1,0 +1,203 @@
+"""Weight and KV-cache formats as the planner sees them: bits per weight, what they compute in, what they cost.
+
+A `Format` is one storage type (Q4_K, NVFP4, BF16...). A `Mix` says which format each component of a
+model is stored in: llama.cpp's Q4_K_M keeps half the V and down projections in Q6_K and the output
+matrix in Q6_K; gpt-oss keeps its experts in MXFP4 and the rest in BF16. Bits include block scales.
+
+`compute` is the dtype a matrix unit consumes: a format whose compute dtype the device lists as native
+is multiplied directly; any other format is expanded by a dequantization loop on the vector units at
+`dequant_ops` operations per weight (cost.py charges that time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twinfer.runtime.errors import PlanError
+
+# Fidelity tiers: 0 lossless, 1 near-lossless (KL ~1e-3), 2 good (KL ~1e-2), 3 lossy, 4 very lossy.
+LOSSLESS, NEAR, GOOD, LOSSY, VERY_LOSSY = range(5)
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    bits: float  # stored bits per weight, block scales included
+    compute: str  # dtype the matrix units need: "bf16", "f16", "fp8", "fp4", "f32"
+    dequant_ops: float  # vector ops per weight to expand into `compute` when it is not native
+    tier: int
+    family: str  # "float", "gguf", "fp", "int", "turboquant"
+    kl: float = 0.0  # typical KL(original || quantized) per token; only ranks formats of one tier
+    note: str = ""
+
+
+_F = Format
+FORMATS: dict[str, Format] = {f.name: f for f in [
+    _F("f32", 32.0, "f32", 0.0, LOSSLESS, "float"),
+    _F("bf16", 16.0, "bf16", 0.0, LOSSLESS, "float"),
+    _F("f16", 16.0, "f16", 0.0, LOSSLESS, "float"),
+    _F("fp8", 8.0, "fp8", 1.0, NEAR, "fp", 0.001, "E4M3 with per-channel or 128-block scales"),
+    _F("nvfp4", 4.5, "fp4", 2.0, GOOD, "fp", 0.012, "E2M1 + an FP8 scale per 16 weights"),
+    _F("mxfp4", 4.25, "fp4", 2.0, GOOD, "fp", 0.02, "E2M1 + an E8M0 scale per 32 weights"),
+    _F("int8", 8.25, "int8", 1.0, NEAR, "int", 0.001, "W8A16, a 16-bit scale per 64 weights"),
+    _F("int4", 4.25, "int4", 3.0, GOOD, "int", 0.015, "W4A16 (AWQ/GPTQ), a 16-bit scale and zero per 128 weights"),
+    _F("q8_0", 8.5, "int8", 1.5, NEAR, "gguf", 0.0005),
+    _F("q6_k", 6.5625, "int8", 3.0, NEAR, "gguf", 0.002),
+    _F("q5_k", 5.5, "int8", 3.0, GOOD, "gguf", 0.006),
+    _F("q5_0", 5.5, "int8", 2.5, GOOD, "gguf", 0.008),
+    _F("q5_1", 6.0, "int8", 2.5, GOOD, "gguf", 0.007),
+    _F("q4_k", 4.5, "int8", 3.0, GOOD, "gguf", 0.015),
+    _F("q4_0", 4.5, "int8", 2.0, GOOD, "gguf", 0.03),
+    _F("q4_1", 5.0, "int8", 2.0, GOOD, "gguf", 0.025),
+    _F("iq4_xs", 4.25, "int8", 4.0, GOOD, "gguf", 0.014),
+    _F("iq4_nl", 4.5, "int8", 3.5, GOOD, "gguf", 0.016),
+    _F("q3_k", 3.4375, "int8", 3.5, LOSSY, "gguf", 0.05),
+    _F("iq3_xxs", 3.0625, "int8", 5.0, LOSSY, "gguf", 0.06),
+    _F("q2_k", 2.625, "int8", 3.5, VERY_LOSSY, "gguf", 0.2),
+    _F("iq2_xxs", 2.0625, "int8", 5.0, VERY_LOSSY, "gguf", 0.3),
+    _F("tq1_0", 1.6875, "int8", 4.0, VERY_LOSSY, "gguf", 1.0),
+    _F("tq2_0", 2.0625, "int8", 3.0, VERY_LOSSY, "gguf", 0.8),
+    # TurboQuant-style: random rotation + a scalar codebook; the lookup and the rotation cost ALU time.
+    _F("tq4", 4.125, "f16", 6.0, GOOD, "turboquant", 0.012, "rotated 4-bit codebook, one norm per 128 weights"),
+    _F("tq3", 3.125, "f16", 6.0, LOSSY, "turboquant", 0.04, "rotated 3-bit codebook, one norm per 128 weights"),
+]}
+
+# GGUF tensor type ids (ggml_type) -> format name, for tensors a loader reports by type.
+GGML_TYPES = {
+    0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 10: "q2_k", 11: "q3_k",
+    12: "q4_k", 13: "q5_k", 14: "q6_k", 16: "iq2_xxs", 18: "iq3_xxs", 20: "iq4_nl", 23: "iq4_xs",
+    30: "bf16", 34: "tq1_0", 35: "tq2_0", 39: "mxfp4",
+}
+
+# Model components a mix assigns formats to (model.py counts parameters per component).
+COMPONENTS = ("embed", "lm_head", "attn", "attn_v", "mlp", "mlp_down", "experts", "experts_down",
+              "shared", "router", "norm")
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A weight format for a whole model: `default` everywhere except the listed components.
+
+    A component may be split between two formats (`(fmt, share)` pairs), which is how llama.cpp's
+    `_M` mixes keep every other layer's V and down projections at higher precision.
+    """
+
+    name: str
+    default: str
+    parts: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    label: str = ""
+    engines: tuple[str, ...] = ()  # runners that can execute it ("" = any)
+    exact: tuple[tuple[str, float], ...] = ()  # measured bits per component (a GGUF's stored sizes)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def split(self, component: str) -> tuple[tuple[str, float], ...]:
+        for comp, formats in self.parts:
+            if comp == component:
+                return formats
+        if component in ("norm", "router"):
+            return (("f32", 1.0),)
+        return ((self.default, 1.0),)
+
+    def bits(self, component: str) -> float:
+        for comp, bits in self.exact:
+            if comp == component:
+                return bits
+        return sum(FORMATS[f].bits * share for f, share in self.split(component))
+
+    def formats(self) -> set[str]:
+        return {f for comp in COMPONENTS for f, _ in self.split(comp)}
+
+    @property
+    def tier(self) -> int:
+        return FORMATS[self.default].tier
+
+    @property
+    def family(self) -> str:
+        return FORMATS[self.default].family
+
+
+def _half(a: str, b: str) -> tuple[tuple[str, float], ...]:
+    return ((a, 0.5), (b, 0.5))
+
+
+def _gguf(name: str, default: str, v_down: tuple[tuple[str, float], ...] | None, out: str,
+          embed: str | None = None) -> Mix:
+    parts: list[tuple[str, tuple[tuple[str, float], ...]]] = [("lm_head", ((out, 1.0),))]
+    if v_down:
+        parts += [("attn_v", v_down), ("mlp_down", v_down), ("experts_down", v_down)]
+    if embed:
+        parts.append(("embed", ((embed, 1.0),)))
+    return Mix(name, default, tuple(parts), label=name.upper(), engines=("llamacpp",))
+
+
+# llama.cpp's mixes (src/llama-quant.cpp): output.weight in Q6_K for most types; `_M` types raise
+# attn_v/ffn_down to a higher type in about half the layers.
+MIXES: dict[str, Mix] = {m.name: m for m in [
+    Mix("bf16", "bf16", label="BF16"),
+    Mix("f16", "f16", label="F16", engines=("llamacpp", "torch", "mlx")),
+    Mix("f32", "f32", label="F32"),
+    Mix("fp8", "fp8", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),))), label="FP8"),
+    Mix("nvfp4", "nvfp4", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),)),
+                           ("attn", (("fp8", 1.0),)), ("attn_v", (("fp8", 1.0),))), label="NVFP4"),
+    Mix("mxfp4", "mxfp4", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),)),
+                           ("attn", (("fp8", 1.0),)), ("attn_v", (("fp8", 1.0),))), label="MXFP4"),
+    # gpt-oss as published: MXFP4 experts, everything else BF16.
+    Mix("mxfp4-moe", "bf16", (("experts", (("mxfp4", 1.0),)), ("experts_down", (("mxfp4", 1.0),))),
+        label="MXFP4 experts + BF16"),
+    # The same checkpoint converted to GGUF by ggml-org: MXFP4 experts, Q8_0 elsewhere.
+    Mix("gguf-mxfp4", "q8_0", (("experts", (("mxfp4", 1.0),)), ("experts_down", (("mxfp4", 1.0),))),
+        label="MXFP4 experts + Q8_0 (GGUF)", engines=("llamacpp",)),
+    Mix("int8", "int8", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),))), label="INT8 W8A16"),
+    Mix("int4", "int4", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),))), label="INT4 W4A16 (AWQ)"),
+    _gguf("q8_0", "q8_0", None, "q8_0"),
+    _gguf("q6_k", "q6_k", None, "q6_k"),
+    _gguf("q5_k_m", "q5_k", _half("q6_k", "q5_k"), "q6_k"),
+    _gguf("q4_k_m", "q4_k", _half("q6_k", "q4_k"), "q6_k"),
+    _gguf("q4_k_s", "q4_k", _half("q5_k", "q4_k"), "q6_k"),
+    _gguf("q4_0", "q4_0", None, "q6_k"),
+    _gguf("iq4_xs", "iq4_xs", None, "q6_k"),
+    _gguf("q3_k_m", "q3_k", _half("q5_k", "q4_k"), "q6_k"),
+    _gguf("q2_k", "q2_k", _half("q4_k", "q3_k"), "q6_k"),
+    Mix("tq4", "tq4", (("embed", (("q8_0", 1.0),)), ("lm_head", (("q8_0", 1.0),))),
+        label="TurboQuant-style 4-bit", engines=("torch", "mlx")),
+    Mix("tq3", "tq3", (("embed", (("q8_0", 1.0),)), ("lm_head", (("q6_k", 1.0),))),
+        label="TurboQuant-style 3-bit", engines=("torch", "mlx")),
+]}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    bits: float
+    compute: str
+    dequant_ops: float
+    tier: int
+    label: str
+    kl: float = 0.0
+    family: str = "float"  # "gguf" and "turboquant" always go through a dequantization loop
+
+
+KV_FORMATS: dict[str, KVFormat] = {k.name: k for k in [
+    KVFormat("bf16", 16.0, "bf16", 0.0, LOSSLESS, "BF16"),
+    KVFormat("f16", 16.0, "f16", 0.0, LOSSLESS, "F16"),
+    KVFormat("fp8", 8.0, "fp8", 1.0, NEAR, "FP8 (E4M3)", 0.0005),
+    KVFormat("nvfp4", 4.5, "fp4", 2.0, GOOD, "NVFP4", 0.004),
+    KVFormat("q8_0", 8.5, "int8", 1.5, NEAR, "Q8_0", 0.0003, "gguf"),
+    KVFormat("q4_0", 4.5, "int8", 2.0, GOOD, "Q4_0", 0.01, "gguf"),
+    KVFormat("tq4", 4.125, "f16", 6.0, NEAR, "TurboQuant-style 4-bit", 0.002, "turboquant"),
+    KVFormat("tq3", 3.125, "f16", 6.0, GOOD, "TurboQuant-style 3-bit", 0.008, "turboquant"),
+]}
+
+
+def mix(name: str) -> Mix:
+    key = name.lower().replace("-", "_") if name.lower() not in MIXES else name.lower()
+    key = key if key in MIXES else key.replace("_", "-")
+    if key not in MIXES:
+        raise PlanError(f"unknown weight format {name!r}; known: {', '.join(sorted(MIXES))}")
+    return MIXES[key]
+
+
+def kv_format(name: str) -> KVFormat:
+    if name.lower() not in KV_FORMATS:
+        raise PlanError(f"unknown KV-cache format {name!r}; known: {', '.join(KV_FORMATS)}")
+    return KV_FORMATS[name.lower()]

@@ -1,0 +1,213 @@
+"""What the planner knows about hardware: one device, a node shape, and the cluster a plan runs on.
+
+Numbers come from the published table (`hw_table.py`) or from the probe (`probe.py`); the planner
+never asks a device anything itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from twinfer.runtime.errors import PlanError
+
+GPU, APPLE, CPU = "gpu", "apple", "cpu"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or CPU socket set) with its published or measured peak numbers.
+
+    `interconnect_gbs` is the per-device peer bandwidth inside a node as vendors publish it
+    (bidirectional aggregate: NVLink 4 = 900 GB/s); the cost model uses half of it per direction.
+    `tensor_tflops` holds dense (non-sparse) matrix peaks per compute dtype the device runs natively.
+    """
+
+    name: str
+    label: str
+    vendor: str
+    kind: str  # GPU, APPLE or CPU
+    memory_gb: float
+    bandwidth_gbs: float
+    memory_type: str  # "hbm", "gddr", "lpddr", "ddr"
+    interconnect_gbs: float
+    link: str
+    tensor_tflops: tuple[tuple[str, float], ...]
+    vector_tflops: float  # FP32 non-tensor rate: what a dequantization loop runs on
+    clock_ghz: float
+    source: str
+    chip: str = ""
+    gpu_cores: int | None = None
+    memory_options_gb: tuple[float, ...] = ()
+    host_link_gbs: float = 0.0  # PCIe to host memory (discrete GPUs): where streamed experts come from
+    storage_gbs: float = 0.0  # SSD read rate (unified-memory machines stream experts from disk)
+    dies: int = 1
+    max_per_node: int = 1  # devices that share one fast (NVLink/xGMI) domain
+    measured: bool = False
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.memory_gb <= 0 or self.bandwidth_gbs <= 0:
+            raise PlanError(f"hardware {self.name}: memory and bandwidth must be positive")
+
+    @property
+    def natives(self) -> frozenset[str]:
+        """Compute dtypes the matrix units consume directly (no dequantization loop)."""
+        return frozenset(k for k, _ in self.tensor_tflops)
+
+    def tflops(self, dtype: str) -> float:
+        table = dict(self.tensor_tflops)
+        if dtype in table:
+            return table[dtype]
+        return table.get("bf16", table.get("f16", self.vector_tflops))
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @property
+    def unified(self) -> bool:
+        return self.kind in (APPLE, CPU) or self.memory_type == "lpddr"
+
+    def with_memory(self, gb: float) -> Device:
+        return replace(self, memory_gb=gb)
+
+    def row(self) -> dict[str, Any]:
+        """The object `twinfer hw --list --json` prints."""
+        return {
+            "name": self.name,
+            "label": self.label,
+            "vendor": self.vendor,
+            "kind": self.kind,
+            "chip": self.chip or self.label,
+            "gpu_cores": self.gpu_cores,
+            "memory_gb": self.memory_gb,
+            "memory_options_gb": list(self.memory_options_gb) or None,
+            "memory_type": self.memory_type,
+            "bandwidth_gbs": self.bandwidth_gbs,
+            "interconnect_gbs": self.interconnect_gbs,
+            "link": self.link,
+            "tensor_tflops": dict(self.tensor_tflops),
+            "vector_tflops": self.vector_tflops,
+            "max_per_node": self.max_per_node,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """A standard server: `gpus` devices in one NVLink/xGMI domain, `scale_out_gbs` per GPU between nodes."""
+
+    name: str
+    label: str
+    device: str
+    gpus: int
+    scale_out_gbs: float
+    source: str
+    aliases: tuple[str, ...] = ()
+
+    def row(self, device: Device) -> dict[str, Any]:
+        out = device.row()
+        out.update(
+            name=self.name, label=self.label, kind="node", gpus=self.gpus, device=device.name,
+            total_memory_gb=device.memory_gb * self.gpus, scale_out_gbs=self.scale_out_gbs, source=self.source,
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware a plan runs on: `gpus_per_node` devices in each of `nodes` nodes."""
+
+    device: Device
+    gpus_per_node: int = 1
+    nodes: int = 1
+    scale_out_gbs: float = 50.0  # one 400 Gb/s NIC per GPU
+    memory_budget_bytes: float | None = None  # user cap per device
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        d = self.device
+        if self.gpus_per_node < 1 or self.nodes < 1:
+            raise PlanError(f"--gpus and --nodes must be at least 1 (got {self.gpus_per_node} and {self.nodes})")
+        if d.kind != GPU and (self.gpus_per_node > 1 or self.nodes > 1):
+            raise PlanError(f"{d.label} is a single {d.kind} device: --gpus and --nodes must be 1")
+        if self.gpus_per_node > d.max_per_node:
+            nodes = -(-self.gpus_per_node // d.max_per_node)
+            raise PlanError(
+                f"at most {d.max_per_node} {d.label} share one node's {d.link} domain; "
+                f"use --gpus {d.max_per_node} --nodes {nodes * self.nodes}"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable_fraction(self) -> float:
+        """Share of device memory a runtime may fill: Metal's default wired limit, a GPU runtime's headroom."""
+        if self.device.kind == APPLE:
+            return 0.75 if self.device.memory_gb > 36 else 0.67
+        if self.device.kind == CPU:
+            return 0.85
+        return 0.92
+
+    @property
+    def capacity_per_device(self) -> float:
+        cap = self.device.memory_bytes * self.usable_fraction
+        if self.memory_budget_bytes is not None:
+            cap = min(cap, float(self.memory_budget_bytes))
+        return cap
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.capacity_per_device * self.world
+
+    def describe(self) -> str:
+        d = self.device
+        if d.kind != GPU:
+            return f"{d.label} ({d.memory_gb:g} GB, {d.bandwidth_gbs:g} GB/s)"
+        shape = f"{self.gpus_per_node}x {d.label}" + (f" x {self.nodes} nodes" if self.nodes > 1 else "")
+        return f"{shape} ({d.memory_gb:g} GB, {d.bandwidth_gbs:g} GB/s each)"
+
+
+def normalize(name: str) -> str:
+    """`NVIDIA H100 SXM` -> `h100-sxm`; `Apple M2 Max 38-core` -> `m2-max-38c`."""
+    s = name.lower().replace("_", "-").replace(" ", "-")
+    s = re.sub(r"^(nvidia|amd|apple|instinct)-", "", s)
+    s = re.sub(r"(\d+)-?core", r"\1c", s)
+    s = re.sub(r"(\d+)-?gpu\b", r"\1c", s)
+    return re.sub(r"-+", "-", s).strip("-")
+
+
+def lookup(name: str, devices: dict[str, Device], nodes: dict[str, NodeShape]) -> tuple[Device, NodeShape | None]:
+    """Find a device or node shape by name; `NAME@64` (or `@64GB`) picks a memory size for Macs.
+
+    Raises PlanError listing close matches when nothing matches.
+    """
+    base, _, mem = name.partition("@")
+    key = normalize(base)
+    index: dict[str, tuple[Device | None, NodeShape | None]] = {}
+    for d in devices.values():
+        for alias in (d.name, *d.aliases):
+            index[normalize(alias)] = (d, None)
+    for n in nodes.values():
+        for alias in (n.name, *n.aliases):
+            index[normalize(alias)] = (None, n)
+    if key not in index:
+        close = difflib.get_close_matches(key, list(index), n=5, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise PlanError(f"unknown hardware {name!r}{hint} (`twinfer hw --list` shows the table)")
+    device, node = index[key]
+    if node is not None:
+        device = devices[node.device]
+    assert device is not None
+    if mem:
+        gb = float(re.sub(r"(?i)\s*gi?b$", "", mem))
+        options = device.memory_options_gb or (device.memory_gb,)
+        if gb not in options:
+            raise PlanError(f"{device.label} comes with {', '.join(f'{o:g}' for o in options)} GB, not {mem}")
+        device = device.with_memory(gb)
+    return device, node

@@ -1,0 +1,106 @@
+"""The memory model: what one device holds under a strategy, and what is left for the KV cache.
+
+Per device: its shard of the resident weights, its shard of the KV cache for the sequences in flight,
+an activation workspace, and the runtime's own overhead. MoE plans that stream experts keep only the
+dense part plus a cache of experts resident (the batch-1 active footprint); plans that serve at
+concurrency keep every expert, because a batch's router reaches all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from twinfer.planners.cost import Strategy, kv_bytes_per_seq, kv_shard
+from twinfer.planners.hardware import APPLE, CPU, Cluster
+from twinfer.planners.model import ModelProfile
+
+RUNTIME_OVERHEAD = {"llamacpp": 0.3e9, "torch": 1.0e9, "mlx": 0.3e9}  # CUDA context, graphs, allocator slack
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, except `weights_bytes` (one full copy of the model) and the `*_total` views."""
+
+    weights_bytes: float
+    resident_weights: float
+    streamed_weights: float
+    kv_bytes_per_token: float
+    kv: float
+    activations: float
+    overhead: float
+    capacity: float
+    devices: int
+
+    @property
+    def used(self) -> float:
+        return self.resident_weights + self.kv + self.activations + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.used <= self.capacity
+
+    @property
+    def total_bytes(self) -> float:
+        return self.used * self.devices
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.capacity * self.devices
+
+
+def activation_bytes(profile: ModelProfile, s: Strategy, concurrency: int) -> float:
+    """Workspace of one prefill chunk plus the logits of a decode batch (fp32)."""
+    spec = profile.spec
+    chunk = 512 if s.engine == "llamacpp" else 2048
+    inter = spec.intermediate_size if profile.count("mlp") else 0
+    if spec.moe:
+        inter = max(inter, spec.moe.top_k * spec.moe.expert_intermediate_size)
+    per_token = (12 * spec.hidden_size + 3 * inter / s.tp + 3 * spec.q_size / s.tp) * 2
+    return chunk * per_token + max(1, concurrency) * spec.vocab_size * 4
+
+
+def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency: int, context: int) -> Memory:
+    """Per-device memory of `concurrency` sequences at `context` tokens under strategy `s`."""
+    weights = profile.weight_bytes(s.mix)
+    routed = profile.expert_bytes(s.mix) * profile.moe_layers * (profile.moe.num_experts if profile.moe else 0)
+    streamed = routed * s.stream_fraction
+    shard = s.tp * s.pp
+    resident = (weights - streamed) / shard
+    seqs = math.ceil(max(1, concurrency) / s.dp)
+    kv_tok = profile.spec.kv_bytes_per_token(s.kv.bits / 8, context)
+    kv = seqs * kv_bytes_per_seq(profile, s.kv, context) / kv_shard(profile, s)
+    dev = cluster.device
+    overhead = 0.15e9 if dev.kind in (APPLE, CPU) else RUNTIME_OVERHEAD.get(s.engine, 1.0e9)
+    return Memory(
+        weights_bytes=weights, resident_weights=resident, streamed_weights=streamed, kv_bytes_per_token=kv_tok,
+        kv=kv, activations=activation_bytes(profile, s, seqs), overhead=overhead,
+        capacity=cluster.capacity_per_device, devices=s.dp * shard,
+    )
+
+
+def max_concurrency(profile: ModelProfile, cluster: Cluster, s: Strategy, context: int) -> int:
+    """Most sequences of `context` tokens that fit next to the weights (0 if not even one)."""
+    one = memory_for(profile, cluster, s, 1, context)
+    if not one.fits:
+        return 0
+    per_seq = one.kv + profile.spec.vocab_size * 4  # KV shard plus a row of logits, per device
+    n = s.dp * (1 + int((one.capacity - one.used) // per_seq))
+    while n > 1 and not memory_for(profile, cluster, s, n, context).fits:
+        n = max(1, min(n - 1, int(n * 0.98)))
+    return n
+
+
+def max_context(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency: int) -> int:
+    """Longest context (up to the model's limit) at which `concurrency` sequences fit."""
+    hi = profile.spec.max_position
+    if memory_for(profile, cluster, s, concurrency, hi).fits:
+        return hi
+    lo = 0
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        if memory_for(profile, cluster, s, concurrency, mid).fits:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,252 @@
+"""ModelProfile: a model's parameters counted by component, from a ModelSpec, a parameter count, or a GGUF.
+
+Components (formats.COMPONENTS) are what a format mix prices differently and what a decode step reads
+differently: `lm_head` is read whole every step, `embed` only one row per token, `experts` only for the
+experts the router picks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from twinfer.planners.formats import COMPONENTS, FORMATS, LOSSLESS, Mix
+from twinfer.runtime.errors import PlanError
+from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
+
+ROUTING_LOCALITY = 0.8
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the memory and cost models need about one model.
+
+    `params` counts weights per component over the whole model; `expert_params` is one routed
+    expert in one layer. `native` names the format mix the model is published in, `stored` the exact
+    mix of a GGUF file (None for catalog models).
+    """
+
+    name: str
+    spec: ModelSpec
+    params: tuple[tuple[str, float], ...]
+    native: str = "bf16"
+    stored: Mix | None = None
+    source: str = "catalog"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def count(self, component: str) -> float:
+        return dict(self.params).get(component, 0.0)
+
+    @property
+    def total_params(self) -> float:
+        return sum(v for _, v in self.params)
+
+    @property
+    def moe(self) -> MoESpec | None:
+        return self.spec.moe
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(1 for i in range(self.spec.num_layers) if self.spec.is_moe_layer(i))
+
+    @property
+    def expert_params(self) -> float:
+        """One routed expert of one layer (gate, up and down)."""
+        if not self.moe or not self.moe_layers:
+            return 0.0
+        return (self.count("experts") + self.count("experts_down")) / (self.moe.num_experts * self.moe_layers)
+
+    @property
+    def routed_params(self) -> float:
+        return self.count("experts") + self.count("experts_down")
+
+    @property
+    def dense_params(self) -> float:
+        """Weights every token touches, except the embedding table (read one row per token)."""
+        return self.total_params - self.routed_params - self.count("embed")
+
+    @property
+    def tied(self) -> bool:
+        """The output projection reuses the embedding table, so every step reads it whole."""
+        return self.count("lm_head") == 0
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token multiplies with: the dense part, the output head, top_k experts per layer."""
+        k = self.moe.top_k if self.moe else 0
+        head = self.count("embed") if self.tied else 0.0
+        return self.dense_params + head + k * self.moe_layers * self.expert_params
+
+    def touched_experts(self, batch: float) -> float:
+        """Expected distinct experts per MoE layer a step of `batch` tokens reads.
+
+        Independent uniform routing would give E(1 - (1 - k/E)^B); tokens of one batch agree on
+        experts more than that, which `ROUTING_LOCALITY` models as B^0.8 independent draws
+        (fitted to llama-batched-bench runs of gpt-oss-120b and Qwen3-30B-A3B, docs/planner-accuracy.md).
+        """
+        if not self.moe:
+            return 0.0
+        e, k = self.moe.num_experts, self.moe.top_k
+        return e * (1.0 - (1.0 - k / e) ** (max(batch, 1.0) ** ROUTING_LOCALITY))
+
+    def bytes_of(self, mix: Mix, component: str) -> float:
+        return self.count(component) * mix.bits(component) / 8.0
+
+    def weight_bytes(self, mix: Mix) -> float:
+        return sum(self.bytes_of(mix, c) for c in COMPONENTS)
+
+    def step_bytes(self, mix: Mix, touched_experts: float) -> float:
+        """Weight bytes one decode step reads when `touched_experts` experts per MoE layer are used."""
+        dense = sum(self.bytes_of(mix, c) for c in COMPONENTS if c not in ("embed", "experts", "experts_down"))
+        head = self.bytes_of(mix, "embed") if self.tied else 0.0
+        return dense + head + touched_experts * self.moe_layers * self.expert_bytes(mix)
+
+    def is_reference(self, mix: Mix) -> bool:
+        """The published checkpoint (or the file itself): what fidelity is measured against."""
+        return mix is self.stored or (self.stored is None and mix.name == self.native)
+
+    def mix_kl(self, mix: Mix) -> float:
+        """Expected KL of `mix` against the reference weights, weighted by each component's share."""
+        if self.is_reference(mix):
+            return 0.0
+        total = self.total_params or 1.0
+        return sum(self.count(c) * share * FORMATS[f].kl for c in COMPONENTS for f, share in mix.split(c)) / total
+
+    def mix_tier(self, mix: Mix) -> int:
+        return LOSSLESS if self.is_reference(mix) else FORMATS[mix.default].tier
+
+    def expert_bytes(self, mix: Mix) -> float:
+        """Bytes of one routed expert in one layer."""
+        if not self.moe_layers or not self.moe:
+            return 0.0
+        routed = self.bytes_of(mix, "experts") + self.bytes_of(mix, "experts_down")
+        return routed / (self.moe.num_experts * self.moe_layers)
+
+    def attention_flops_per_token(self, context: int) -> float:
+        """QK^T and PV multiply-adds of one decoded token against `context` cached tokens."""
+        s = self.spec
+        # absorbed MLA: scores over latent + rope, values over the latent
+        per_head = 2 * s.mla.kv_lora_rank + s.mla.qk_rope_head_dim if s.mla else 2 * s.head_dim
+        total = 0.0
+        for layer in range(s.num_layers):
+            window = s.window(layer)
+            span = min(context, window) if window else context
+            total += 2.0 * s.num_heads * per_head * span
+        return total
+
+
+def _attention_params(s: ModelSpec) -> tuple[float, float]:
+    """(q, k, o projections, v projection) weights of one layer."""
+    d = s.hidden_size
+    if s.mla is not None:
+        m = s.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = d * m.q_lora_rank + m.q_lora_rank * s.num_heads * qk if m.q_lora_rank else d * s.num_heads * qk
+        kv_a = d * (m.kv_lora_rank + m.qk_rope_head_dim)
+        kv_b = m.kv_lora_rank * s.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        o = s.num_heads * m.v_head_dim * d
+        return q + kv_a + o + kv_b / 2, kv_b / 2
+    q = d * s.q_size
+    kv = d * s.kv_size
+    o = s.q_size * d
+    bias = (s.q_size + 2 * s.kv_size) if s.attention_bias else 0
+    return q + kv + o + bias, kv
+
+
+def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", source: str = "catalog",
+                      notes: tuple[str, ...] = ()) -> ModelProfile:
+    """Count a spec's weights per component (norm and bias vectors included, rotary tables not)."""
+    d, L = spec.hidden_size, spec.num_layers
+    attn, attn_v = _attention_params(spec)
+    counts = {c: 0.0 for c in COMPONENTS}
+    counts["embed"] = spec.vocab_size * d
+    counts["lm_head"] = 0.0 if spec.tie_word_embeddings else spec.vocab_size * d
+    counts["attn"] = attn * L
+    counts["attn_v"] = attn_v * L
+    counts["norm"] = (2 * d + (2 * spec.head_dim if spec.qk_norm else 0)) * L + d
+    moe = spec.moe
+    for layer in range(L):
+        if spec.is_moe_layer(layer):
+            assert moe is not None
+            e = moe.num_experts * d * moe.expert_intermediate_size
+            counts["experts"] += 2 * e
+            counts["experts_down"] += e
+            shared_i = moe.shared_intermediate_size or moe.expert_intermediate_size
+            counts["shared"] += 3 * moe.num_shared_experts * d * shared_i
+            counts["router"] += moe.num_experts * d
+        else:
+            counts["mlp"] += 2 * d * spec.intermediate_size
+            counts["mlp_down"] += d * spec.intermediate_size
+    return ModelProfile(
+        name=name or spec.name or spec.model_type, spec=spec, params=tuple(counts.items()), native=native,
+        source=source, notes=notes,
+    )
+
+
+def parametric(params: float, active: float | None = None, layers: int | None = None,
+               experts: int | None = None, top_k: int | None = None, name: str = "") -> ModelProfile:
+    """A model known only by its parameter counts (`--params 2.8T --active-params 60B`).
+
+    Shape assumptions, stated in the profile's notes: hidden = layers x 128 (the width/depth ratio of
+    Llama 3 and DeepSeek-V3), GQA with 8 KV heads of 128, a 160k vocabulary; for an MoE (active <
+    params), 384 routed experts with top-8 unless given (Kimi K2's layout), one shared expert.
+    """
+    if params <= 0:
+        raise PlanError("--params must be positive")
+    active = params if active is None else active
+    if not 0 < active <= params:
+        raise PlanError(f"--active-params ({active:.3g}) must be positive and at most --params ({params:.3g})")
+    is_moe = active < params * 0.999
+    vocab = 163840
+    e = experts or 384
+    k = top_k or max(1, min(e // 2, round(e * 0.75 * active / params)))  # experts ~3/4 of active
+    if is_moe and not 0 < k < e:
+        raise PlanError(f"--top-k ({k}) must be between 1 and the expert count ({e})")
+    fixed = layers is not None
+    if layers is None:  # active non-embedding params ~ 12 d^2 L with d = 128 L
+        layers = max(2, round((active * 128 / 12) ** (1 / 3) / 128))
+    while True:
+        hidden = max(1024, round(layers / 8) * 1024)  # a multiple of 8 heads of 128
+        heads, kv_heads = hidden // 128, 8
+        table = vocab * hidden
+        attn = layers * (2 * hidden * hidden + 2 * hidden * kv_heads * 128)
+        if is_moe:  # P - A = table + X(1 - k/E); the rest of A is shared experts
+            routed = (params - active - table) / (1 - k / e)
+            rest = active - attn - table - routed * k / e
+        else:
+            routed, rest = 0.0, params - attn - 2 * table
+        if rest >= 0 or layers <= 2 or fixed:
+            break
+        layers -= 1  # the user's counts leave no room for this much attention: a narrower model
+    if rest < 0:
+        raise PlanError("--params/--active-params/--experts/--top-k are inconsistent: the routed experts "
+                        "alone exceed the active parameters")
+    moe = None
+    if is_moe:
+        shared_i = int(rest / (3 * hidden * layers))
+        expert_i = max(1, round(routed / (3 * hidden * e * layers)))
+        moe = MoESpec(num_experts=e, top_k=k, expert_intermediate_size=expert_i,
+                      num_shared_experts=1 if shared_i else 0, shared_intermediate_size=shared_i)
+        inter = expert_i
+    else:
+        inter = max(1, round(rest / (3 * hidden * layers)))
+    spec = ModelSpec(
+        model_type="parametric", name=name or f"parametric {params:.3g}", vocab_size=vocab, hidden_size=hidden,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=128, intermediate_size=inter,
+        max_position=131072, moe=moe,
+    )
+    notes = (f"parametric model: {layers} layers, hidden {hidden}, GQA 8x128 KV heads assumed"
+             + (f", {moe.num_experts} experts top-{moe.top_k}" if moe else ""),)
+    return profile_from_spec(spec, name=spec.name, source="parametric", notes=notes)
+
+
+def sliding_layers(spec: ModelSpec) -> int:
+    return sum(1 for t in spec.attention_types if t == SLIDING)
+
+
+def full_layers(spec: ModelSpec) -> int:
+    return sum(1 for t in spec.attention_types if t == FULL)
+
+
+def round_up(x: float, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)

@@ -1,0 +1,89 @@
+"""The readable `twinfer plan` report and the `twinfer hw` listings (plain text, no heavy imports)."""
+
+from __future__ import annotations
+
+from twinfer.planners.hardware import Cluster, Device
+from twinfer.planners.plan import Plan
+from twinfer.planners.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
+
+
+def render_plan(plan: Plan) -> str:
+    m, c, req = plan.model, plan.cluster, plan.request
+    active = f", {fmt_count(m.active_params)} active" if m.moe else ""
+    lines = [
+        f"model     {m.name}: {fmt_count(m.total_params)} parameters{active}, {m.spec.num_layers} layers ({m.source})",
+        f"hardware  {c.describe()} -> {plan.target} target",
+        f"request   context {req.context} tokens, concurrency {req.concurrency}",
+        "",
+    ]
+    chosen = plan.chosen
+    if chosen is None or plan.strategy is None:
+        lines += ["fits      NO", f"smallest change: {plan.suggestion}"]
+        lines += _alternatives(plan)
+        return "\n".join(lines + _notes(plan))
+    s, mem = plan.strategy, chosen.memory
+    used = mem.used
+    lines += [
+        f"fits      yes: {s.label()}",
+        "memory per device",
+        f"  weights      {fmt_bytes(mem.resident_weights)}"
+        + (f" resident (+{fmt_bytes(mem.streamed_weights)} streamed)" if mem.streamed_weights else "")
+        + (f" of {fmt_bytes(mem.weights_bytes)} total" if mem.devices > 1 else ""),
+        f"  KV cache     {fmt_bytes(mem.kv)}  ({fmt_bytes(mem.kv_bytes_per_token)}/token x {req.context} tokens"
+        f" x {req.concurrency} sequence(s))",
+        f"  activations  {fmt_bytes(mem.activations)}",
+        f"  runtime      {fmt_bytes(mem.overhead)}",
+        f"  total        {fmt_bytes(used)} of {fmt_bytes(mem.capacity)} usable ({used / mem.capacity:.0%})",
+        "predicted",
+        f"  decode       {fmt_rate(1 / chosen.single.latency_s)} tok/s single stream ({chosen.single.bound}-bound)",
+    ]
+    if req.concurrency > 1:
+        lines.append(f"               {fmt_rate(chosen.step.tokens_per_s)} tok/s at concurrency {req.concurrency} "
+                     f"({fmt_rate(1 / chosen.step.latency_s)} tok/s per stream)")
+    lines += [
+        f"  first token  {fmt_seconds(plan.ttft_s)} for a {req.context}-token prompt",
+        f"  limits       {plan.max_concurrency} sequence(s) at {req.context} tokens; "
+        f"{plan.max_context} tokens of context at concurrency {req.concurrency}",
+        "why",
+        *(f"  - {r}" for r in plan.reasons),
+    ]
+    if plan.warnings:
+        lines += ["warnings", *(f"  ! {w}" for w in plan.warnings)]
+    lines += _alternatives(plan)
+    return "\n".join(lines + _notes(plan))
+
+
+def _alternatives(plan: Plan) -> list[str]:
+    if not plan.alternatives:
+        return []
+    return ["runners-up", *(f"  - {a['strategy']}: {a['why']}" for a in plan.alternatives)]
+
+
+def _notes(plan: Plan) -> list[str]:
+    return ["notes", *(f"  * {n}" for n in plan.notes)] if plan.notes else []
+
+
+def render_devices(rows: list[dict[str, object]]) -> str:
+    head = f"{'name':<16} {'memory GB':>9} {'GB/s':>7} {'link GB/s':>9}  label"
+    out = [head, "-" * 72]
+    for r in rows:
+        out.append(f"{r['name']!s:<16} {r['memory_gb']!s:>9} {r['bandwidth_gbs']!s:>7} "
+                   f"{r['interconnect_gbs']!s:>9}  {r['label']}")
+    return "\n".join(out)
+
+
+def render_cluster(cluster: Cluster, measured: dict[str, float]) -> str:
+    d: Device = cluster.device
+    lines = [
+        f"device      {d.label} ({d.name})",
+        f"kind        {d.kind}, {d.memory_type} memory" + (f", {d.gpu_cores} GPU cores" if d.gpu_cores else ""),
+        f"count       {cluster.gpus_per_node} per node x {cluster.nodes} node(s)",
+        f"memory      {d.memory_gb:g} GB each, {fmt_bytes(cluster.capacity_per_device)} usable by a runtime",
+        f"bandwidth   {d.bandwidth_gbs:g} GB/s" + (" (measured)" if d.measured else ""),
+        f"compute     {', '.join(f'{k} {v:.4g}' for k, v in d.tensor_tflops)} TFLOPS; vector {d.vector_tflops:.3g} TFLOPS",
+        f"link        {d.link} {d.interconnect_gbs:g} GB/s",
+        f"source      {d.source}",
+    ]
+    lines += [f"measured    {k}: {v:.1f} GB/s" for k, v in measured.items()]
+    lines += [f"note        {n}" for n in cluster.notes]
+    return "\n".join(lines)

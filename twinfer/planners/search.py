@@ -1,0 +1,223 @@
+"""Strategy search: enumerate the ways to run a model on a cluster, price each, keep the fastest that fits.
+
+Fidelity comes first in a fixed order of passes: formats rated good or better (tier <= 2) without
+pruning; then lossier formats; pruning only as the last resort. A datacenter target first looks only at
+plans whose weights and KV cache the hardware consumes natively (DESIGN: nothing may cost kernel time
+the hardware does not need); a dequantizing format is its fallback when no native one fits. Inside a pass the fastest plan at the
+requested concurrency wins after a discount for expected KL (`score`): 0.01 nats costs about 10% of speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from twinfer.planners.calibration import Calibration
+from twinfer.planners.cost import StepTime, Strategy, _native, decode_step, kv_native
+from twinfer.planners.formats import GOOD, KV_FORMATS, MIXES, VERY_LOSSY, KVFormat, Mix, kv_format, mix
+from twinfer.planners.hardware import APPLE, CPU, Cluster
+from twinfer.planners.memory import Memory, memory_for
+from twinfer.planners.model import ModelProfile, profile_from_spec
+
+LOCAL_MIXES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_xs", "q3_k_m", "q2_k", "tq4", "tq3")
+DATACENTER_MIXES = ("bf16", "fp8", "nvfp4", "mxfp4", "int8", "int4", "tq4", "tq3")
+LLAMACPP_KV = ("f16", "q8_0", "q4_0")
+TENSOR_KV = ("bf16", "fp8", "nvfp4", "tq4", "tq3")
+STREAM_SHARES = (0.25, 0.5, 0.75, 0.9)
+PRUNE_SHARES = (0.25, 0.5)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for."""
+
+    context: int = 4096
+    concurrency: int = 1
+    weights_format: str = "auto"
+    kv_format: str = "auto"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    profile: ModelProfile
+    memory: Memory
+    step: StepTime  # at the requested concurrency
+    single: StepTime  # one sequence
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def tier(self) -> int:
+        s = self.strategy
+        return max(self.profile.mix_tier(s.mix), s.kv.tier) + (2 if s.prune else 0)
+
+    @property
+    def kl(self) -> float:
+        s = self.strategy
+        return self.profile.mix_kl(s.mix) + s.kv.kl + s.prune
+
+    @property
+    def speed(self) -> float:
+        return self.step.tokens_per_s
+
+
+def target_of(cluster: Cluster) -> str:
+    """`local` when memory is the scarce resource to fit into, `datacenter` for HBM GPUs or several devices."""
+    d = cluster.device
+    if d.kind in (APPLE, CPU) or (d.memory_type != "hbm" and cluster.world == 1):
+        return "local"
+    return "datacenter"
+
+
+def engine_for(m: Mix, cluster: Cluster, target: str) -> str:
+    if "llamacpp" in m.engines and (target == "local" or m.family == "gguf"):
+        return "llamacpp"
+    return "mlx" if cluster.device.kind == APPLE else "torch"
+
+
+# The GGUF a local runner would load for a checkpoint published in each format.
+LOCAL_EQUIVALENT = {"bf16": "f16", "fp8": "q8_0", "mxfp4-moe": "gguf-mxfp4"}
+
+
+def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize: bool = False) -> list[Mix]:
+    """Formats worth trying: the published one (or the file as stored), and anything clearly smaller.
+
+    Never a format bigger than the checkpoint (upcasting buys nothing) and, locally, never a
+    requantization to about the same size (it compounds error for no bytes saved).
+    """
+    if requested not in ("auto", ""):
+        if requested in ("stored", "native"):
+            return [profile.stored or mix(profile.native)]
+        return [mix(requested)]
+    if profile.stored is not None:  # a file runs as stored; requantized smaller only when that cannot fit
+        if not requantize:
+            return [profile.stored]
+        own = profile.weight_bytes(profile.stored)
+        names = LOCAL_MIXES if target == "local" else DATACENTER_MIXES
+        return [MIXES[n] for n in names if profile.weight_bytes(MIXES[n]) < 0.9 * own]
+    native = mix(profile.native)
+    if target == "local":
+        base = MIXES[LOCAL_EQUIVALENT.get(native.name, native.name)]
+        own = profile.weight_bytes(base)
+        smaller = [MIXES[n] for n in LOCAL_MIXES if n != base.name and profile.weight_bytes(MIXES[n]) < 0.9 * own]
+        return [native, base, *smaller] if base is not native else [native, *smaller]
+    limit = profile.weight_bytes(native) * 0.9
+    return [native] + [MIXES[n] for n in DATACENTER_MIXES
+                       if n != native.name and profile.weight_bytes(MIXES[n]) < limit]
+
+
+def kv_formats(engine: str, requested: str) -> list[KVFormat]:
+    if requested not in ("auto", ""):
+        return [kv_format(requested)]
+    names = LLAMACPP_KV if engine == "llamacpp" else TENSOR_KV
+    return [KV_FORMATS[n] for n in names]
+
+
+def layouts(profile: ModelProfile, cluster: Cluster) -> list[tuple[int, int, int, int]]:
+    """(tp, ep, pp, dp): TP and EP inside a node, PP only across nodes, data-parallel replicas of the rest."""
+    out = []
+    g, nodes = cluster.gpus_per_node, cluster.nodes
+    tps = [t for t in range(1, g + 1) if g % t == 0 and profile.spec.num_heads % t == 0]
+    for pp in sorted({1, nodes}):
+        for tp in tps:
+            if pp > 1 and tp != tps[-1]:
+                continue  # a multi-node replica uses whole nodes per stage
+            dp = (g * nodes) // (tp * pp)
+            out.append((tp, 1, pp, dp))
+            if profile.moe and tp > 1:
+                out.append((tp, tp, pp, dp))
+    return out
+
+
+def pruned(profile: ModelProfile, share: float) -> ModelProfile:
+    """The model with `share` of its routed experts (MoE) or of its layers (dense) removed."""
+    spec = profile.spec
+    if spec.moe:
+        moe = spec.moe
+        keep = max(moe.top_k, round(moe.num_experts * (1 - share)))
+        new = spec.with_(moe=type(moe)(**{**moe.__dict__, "num_experts": keep}))
+    else:
+        layers = max(1, round(spec.num_layers * (1 - share)))
+        types = spec.layer_types[:layers] if spec.layer_types else ()
+        new = spec.with_(num_layers=layers, layer_types=types)
+    out = profile_from_spec(new, name=profile.name, native=profile.native, source=profile.source)
+    return out if profile.stored is None else type(out)(**{**out.__dict__, "stored": profile.stored})
+
+
+def enumerate_strategies(profile: ModelProfile, cluster: Cluster, request: Request, target: str,
+                         prune: bool = False, requantize: bool = False) -> list[tuple[Strategy, ModelProfile]]:
+    out: list[tuple[Strategy, ModelProfile]] = []
+    moe = profile.moe
+    streamable = (target == "local" and moe is not None
+                  and profile.touched_experts(request.concurrency) / moe.num_experts < 0.5)
+    shares = [0.0] + (list(STREAM_SHARES) if streamable else [])
+    prunes = PRUNE_SHARES if prune else (0.0,)
+    for m in weight_mixes(profile, target, request.weights_format, requantize):
+        engine = engine_for(m, cluster, target)
+        for kv in kv_formats(engine, request.kv_format):
+            for tp, ep, pp, dp in layouts(profile, cluster):
+                for share in shares:
+                    for p in prunes:
+                        prof = pruned(profile, p) if p else profile
+                        out.append((Strategy(m, kv, engine, tp, ep, pp, dp, share, p), prof))
+    return out
+
+
+def evaluate(profile: ModelProfile, cluster: Cluster, s: Strategy, request: Request, cal: Calibration) -> Candidate:
+    mem = memory_for(profile, cluster, s, request.concurrency, request.context)
+    step = decode_step(profile, cluster, s, request.concurrency, request.context, cal)
+    single = step if request.concurrency == 1 else decode_step(profile, cluster, s, 1, request.context, cal)
+    return Candidate(s, profile, mem, step, single)
+
+
+KL_PRICE = 0.1  # the exchange rate of speed for fidelity: 0.01 nats of expected KL costs ~10% of speed
+
+
+def score(c: Candidate) -> float:
+    """Predicted tokens/s discounted by expected KL: a lossier plan must be clearly faster to win."""
+    return c.speed * math.exp(-c.kl / KL_PRICE)
+
+
+def _best(cands: list[Candidate]) -> Candidate | None:
+    return max(cands, key=lambda c: (round(score(c), 6), -c.strategy.devices_per_replica), default=None)
+
+
+def native_everywhere(c: Candidate, cluster: Cluster) -> bool:
+    """No dequantization loop: every weight format and the KV format feed the matrix units directly."""
+    dev = cluster.device
+    return kv_native(dev, c.strategy.kv) and all(_native(dev, f) for f in c.strategy.mix.formats() - {"f32"})
+
+
+def search(profile: ModelProfile, cluster: Cluster, request: Request, cal: Calibration
+           ) -> tuple[Candidate | None, list[Candidate]]:
+    """(the chosen candidate or None when nothing fits, every candidate evaluated)."""
+    target = target_of(cluster)
+    evaluated = [evaluate(p, cluster, s, request, cal)
+                 for s, p in enumerate_strategies(profile, cluster, request, target)]
+    fitting = [c for c in evaluated if c.fits]
+    if target == "datacenter":  # DESIGN: serve in formats the hardware runs natively when one fits
+        chosen = _best([c for c in fitting if c.tier <= GOOD and native_everywhere(c, cluster)])
+        if chosen:
+            return chosen, evaluated
+    chosen = _best([c for c in fitting if c.tier <= GOOD])
+    if chosen is None and profile.stored is not None and request.weights_format in ("auto", ""):
+        evaluated += [evaluate(p, cluster, s, request, cal)
+                      for s, p in enumerate_strategies(profile, cluster, request, target, requantize=True)]
+        fitting = [c for c in evaluated if c.fits]
+        chosen = _best([c for c in fitting if c.tier <= GOOD])
+    if chosen or target != "local":  # lossy formats and pruning are local last resorts
+        return chosen, evaluated
+    chosen = _best([c for c in fitting if c.tier <= VERY_LOSSY])
+    if chosen:
+        return chosen, evaluated
+    if target == "local" and request.weights_format in ("auto", ""):  # pruning: the last resort, and it says so
+        more = [evaluate(p, cluster, s, request, cal)
+                for s, p in enumerate_strategies(profile, cluster, request, target, prune=True)]
+        evaluated += more
+        chosen = _best([c for c in more if c.fits])
+        if chosen:
+            return chosen, evaluated
+    return None, evaluated
