@@ -1,0 +1,60 @@
+"""Issue 2 acceptance: twinfer's own gemma3 graph on the default GGUF against transformers and llama.cpp.
+
+Both sides score the same 512 tokens of prose and of code, teacher-forced. transformers computes in
+fp32 from the same dequantized weights, so beyond rounding any KL is a bug; llama.cpp quantizes
+activations inside its matmuls, which sets a floor measured at mean KL 0.0063, top-1 0.955.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+from twinfer.quant.fidelity import RunnerSource, TransformersSource, corpus_windows
+from twinfer.quant.kl import KLAccumulator
+from twinfer.runtime.load import open_model, resolve_path
+
+TOKENS = 512
+WINDOW = 256
+
+
+@cache
+def _windows(corpus: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(w) for w in corpus_windows(None, corpus, TOKENS, WINDOW))
+
+
+@cache
+def _reference_logits(reference: str, corpus: str) -> tuple[np.ndarray, ...]:
+    if reference == "transformers":
+        source = TransformersSource(resolve_path(None))
+    else:
+        source = RunnerSource(open_model(None, "llamacpp", max_seqs=2, ctx=512).runner)
+    out = tuple(source.logits(list(w))[:-1] for w in _windows(corpus))
+    del source
+    return out
+
+
+@cache
+def _candidate(backend: str) -> RunnerSource:
+    return RunnerSource(open_model(None, backend, max_seqs=2, ctx=512).runner)
+
+
+@pytest.mark.parametrize("candidate", ["torch", "mlx"])
+@pytest.mark.parametrize("corpus", ["prose", "code"])
+def test_own_graph_matches_references(candidate: str, corpus: str) -> None:
+    source = _candidate(candidate)
+    vs_hf, vs_llama = KLAccumulator(), KLAccumulator()
+    for window, ref_hf, ref_llama in zip(
+        _windows(corpus), _reference_logits("transformers", corpus), _reference_logits("llamacpp", corpus),
+        strict=True,
+    ):
+        logits = source.logits(list(window))[:-1]
+        vs_hf.add(ref_hf, logits)
+        vs_llama.add(ref_llama, logits)
+    hf = vs_hf.report("transformers", candidate, corpus)
+    llama = vs_llama.report("llamacpp", candidate, corpus)
+    assert hf.tokens == llama.tokens >= TOKENS - 2
+    assert hf.mean_kl <= 1e-4 and hf.top1_agreement >= 0.995, hf
+    assert llama.mean_kl <= 0.01 and llama.top1_agreement >= 0.94, llama
