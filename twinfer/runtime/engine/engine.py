@@ -255,7 +255,7 @@ class Engine:
                 if owner is not None and owner != s.request.seq_id:
                     self.runner.copy_prefix(owner, s.request.seq_id, s.prefix_blocks * self.blocks.block_size)
         for request in schedule.preempted:
-            self.runner.release(request.seq_id)
+            self._release_seq(request.seq_id)
         evicted, self.blocks.evicted_owners = set(self.blocks.evicted_owners), []
         for owner in evicted:
             if owner in self.retained:
@@ -285,7 +285,9 @@ class Engine:
         self.runner.release(seq_id)
 
     def _release_seq(self, seq_id: int) -> None:
+        """A slot runner drops the sequence's KV, so its cached blocks can no longer be reused."""
         if not self.runner.kv.paged:
+            self.blocks.evict_owner(seq_id)
             self.runner.release(seq_id)
 
     def _piece(self, token: int) -> str:

@@ -1,0 +1,104 @@
+"""Loading llama-cpp-python's ctypes bindings, once per process, and bridging its API generations.
+
+llama.cpp renamed its KV-cache calls twice (`llama_kv_cache_*` -> `llama_kv_self_*` -> `llama_memory_*`
+on a handle from `llama_get_memory`); `MemoryOps` hides which one the installed version has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from twinfer.runtime.errors import BackendUnavailable
+
+
+@functools.cache
+def load_llama_cpp() -> ModuleType:
+    """Import the low-level bindings and initialise llama.cpp's backends (the one process-wide call)."""
+    try:
+        from llama_cpp import llama_cpp as lib
+    except (ImportError, OSError, RuntimeError) as exc:  # not installed, or its shared library won't load
+        raise BackendUnavailable(
+            f"llama.cpp backend unavailable: cannot import llama_cpp ({exc}); "
+            "install it with `pip install llama-cpp-python`"
+        ) from exc
+    lib.llama_backend_init()
+    return lib
+
+
+@functools.cache
+def _noop_log_callback(lib: ModuleType) -> Any:
+    # Cached so the ctypes thunk outlives every runner: llama.cpp keeps calling the raw pointer.
+    return lib.llama_log_callback(lambda level, text, user_data: None)
+
+
+def set_quiet(lib: ModuleType, quiet: bool) -> None:
+    """Silence llama.cpp's (and ggml's) logging, or send it to stderr again.
+
+    llama.cpp's logger is process-wide, so the most recently created runner decides.
+    """
+    if quiet:
+        lib.llama_log_set(_noop_log_callback(lib), ctypes.c_void_p(0))
+    else:
+        lib.llama_log_set(lib.llama_log_callback(), ctypes.c_void_p(0))  # NULL: llama.cpp's stderr logger
+
+
+def versions(lib: ModuleType) -> dict[str, str]:
+    import llama_cpp
+
+    out = {"llama_cpp_python": str(getattr(llama_cpp, "__version__", "unknown"))}
+    version_fn = getattr(lib, "llama_version", None)
+    if version_fn is not None:
+        out["llama_cpp"] = (version_fn() or b"").decode("utf-8", "replace")
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryOps:
+    """The KV-cache calls of one context, whatever the installed llama.cpp calls them.
+
+    `seq_rm(seq, p0, p1)` removes positions [p0, p1) (p1 < 0: to the end) and returns False when a
+    partial removal is impossible; `seq_pos_max(seq)` is -1 for an empty sequence.
+    """
+
+    api: str  # "llama_memory", "llama_kv_self" or "llama_kv_cache"
+    seq_rm: Callable[[int, int, int], bool]
+    seq_cp: Callable[[int, int, int, int], None]
+    seq_pos_max: Callable[[int], int]
+    clear: Callable[[], None]
+
+    @staticmethod
+    def for_context(lib: ModuleType, ctx: Any) -> MemoryOps:
+        if hasattr(lib, "llama_get_memory") and hasattr(lib, "llama_memory_seq_rm"):
+            mem = lib.llama_get_memory(ctx)
+            return MemoryOps(
+                api="llama_memory",
+                seq_rm=lambda s, p0, p1: bool(lib.llama_memory_seq_rm(mem, s, p0, p1)),
+                seq_cp=lambda src, dst, p0, p1: lib.llama_memory_seq_cp(mem, src, dst, p0, p1),
+                seq_pos_max=lambda s: int(lib.llama_memory_seq_pos_max(mem, s)),
+                clear=lambda: lib.llama_memory_clear(mem, True),
+            )
+        for prefix in ("llama_kv_self", "llama_kv_cache"):
+            if hasattr(lib, f"{prefix}_seq_rm"):
+                return MemoryOps._on_context(lib, ctx, prefix)
+        raise BackendUnavailable(
+            "llama.cpp backend unavailable: this llama-cpp-python has no KV-cache sequence API "
+            "(llama_memory_seq_rm / llama_kv_self_seq_rm / llama_kv_cache_seq_rm); upgrade it"
+        )
+
+    @staticmethod
+    def _on_context(lib: ModuleType, ctx: Any, prefix: str) -> MemoryOps:
+        """Older llama.cpp: the same calls, named `{prefix}_*` and taking the context itself."""
+        rm, cp = getattr(lib, f"{prefix}_seq_rm"), getattr(lib, f"{prefix}_seq_cp")
+        pos_max, clear = getattr(lib, f"{prefix}_seq_pos_max"), getattr(lib, f"{prefix}_clear")
+        return MemoryOps(
+            api=prefix,
+            seq_rm=lambda s, p0, p1: bool(rm(ctx, s, p0, p1)),
+            seq_cp=lambda src, dst, p0, p1: cp(ctx, src, dst, p0, p1),
+            seq_pos_max=lambda s: int(pos_max(ctx, s)),
+            clear=lambda: clear(ctx),
+        )

@@ -1,0 +1,331 @@
+"""LlamaCppRunner: a whole-model Runner over llama.cpp's low-level C API (llama-cpp-python's ctypes).
+
+llama.cpp runs the forward pass; the twinfer engine keeps scheduling, sampling and prefix reuse. The
+KV cache is llama.cpp's unified one: `n_ctx` cells shared by up to `max_seqs` sequences, addressed by
+llama seq ids in [0, max_seqs) that this runner maps from the engine's sequence ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
+from twinfer.backends.llamacpp._lib import MemoryOps, load_llama_cpp, set_quiet, versions
+from twinfer.backends.llamacpp.metadata import model_desc, model_spec
+from twinfer.runtime.batch import SeqChunk, StepBatch
+from twinfer.runtime.errors import ModelError
+from twinfer.runtime.runner import KVLayout, Runner
+from twinfer.runtime.spec import ModelSpec
+
+# Accounting granularity only: llama.cpp allocates KV per token, the engine counts blocks of this size.
+BLOCK_SIZE = 16
+
+
+class DecodeError(RuntimeError):
+    """llama_decode failed. Every sequence in the step is left holding exactly its chunk's `start` positions."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class KVCacheFull(DecodeError):
+    """llama_decode found no free KV cells for the batch (return code 1): free or preempt sequences."""
+
+
+def default_threads() -> int:
+    """Half the CPUs this process may use (hyperthreads share a core's bandwidth), at least one."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // 2)
+
+
+def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
+    if not path.exists():
+        raise ModelError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelError(f"{path} is a directory; the llama.cpp runner needs a .gguf file")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{path} is not a GGUF file (no GGUF magic at its start); pass a .gguf model")
+    params = lib.llama_model_default_params()
+    if hasattr(params, "use_extra_bufts"):
+        params.use_extra_bufts = repack  # CPU weight repacking: its 4-row GEMM tiles break batch invariance
+    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelError(
+            f"llama.cpp could not load {path}: the file is corrupt or truncated, or its architecture is "
+            "not supported by this llama.cpp; check the file (run with verbose=True for llama.cpp's log)"
+        )
+    return model
+
+
+def _context_params(
+    lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool
+) -> Any:
+    params = lib.llama_context_default_params()
+    fields = {name for name, _ in type(params)._fields_}
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+    params.n_seq_max = max_seqs
+    params.n_threads = params.n_threads_batch = n_threads
+    params.no_perf = True
+    if "kv_unified" in fields:
+        params.kv_unified = True  # any sequence may use every cell, not n_ctx / n_seq_max of them
+    if "swa_full" in fields:
+        params.swa_full = True  # keep sliding-window layers' full history so rollback and seq_cp stay exact
+    if "flash_attn_type" in fields:
+        params.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+    elif "flash_attn" in fields:
+        params.flash_attn = flash_attn
+    if "logits_all" in fields:
+        params.logits_all = False  # per-token flags in the batch decide which rows come back
+    return params
+
+
+class LlamaCppRunner(Runner):
+    """Runs a GGUF model with llama.cpp. Called by the engine from one thread, one step at a time.
+
+    Sequence ids are the engine's; a llama seq slot is taken on a sequence's first chunk (or as a
+    `copy_prefix` destination) and given back by `release`. A chunk must start at or before the
+    sequence's stored length: earlier starts drop the positions from `start` on (rollback).
+
+    Numerics: llama.cpp's CPU kernels are not batch-invariant (ggml-org/llama.cpp#4479, #3014): a
+    token's logits can change with how many rows share its llama_decode call. Measured on Gemma 3
+    270M Q4_K_M, AVX2, with the defaults (flash attention on, weight repacking off): one-token
+    chunks are bit-identical to decoding alone while a call holds at most 7 rows, wherever their KV
+    cells lie; with 8+ rows, or next to a multi-token chunk, they may move by up to ~1 logit
+    (KL ~1e-2), as does a prefill whose chunking changes. Flash attention off makes holes between a
+    sequence's KV cells matter; `repack=True` (llama.cpp's default) makes a row's position mod 4 matter.
+    """
+
+    backend = "llamacpp"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 4096,
+        max_seqs: int = 16,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        spec: ModelSpec | None = None,
+        flash_attn: bool = True,
+        repack: bool = False,
+        verbose: bool = False,
+    ):
+        self._closed = True  # until everything below exists, close() has nothing to free
+        if n_ctx < BLOCK_SIZE or n_batch < 1 or max_seqs < 1 or (n_threads is not None and n_threads < 1):
+            raise ValueError(
+                f"llama.cpp runner: need n_ctx >= {BLOCK_SIZE}, n_batch >= 1, max_seqs >= 1, n_threads >= 1 "
+                f"(got n_ctx={n_ctx}, n_batch={n_batch}, max_seqs={max_seqs}, n_threads={n_threads})"
+            )
+        lib = load_llama_cpp()
+        if max_seqs > lib.llama_max_parallel_sequences():
+            raise ValueError(
+                f"max_seqs={max_seqs} exceeds llama.cpp's limit of {lib.llama_max_parallel_sequences()}"
+            )
+        set_quiet(lib, not verbose)
+        self._lib = lib
+        self.path = Path(path)
+        self.n_threads = n_threads or default_threads()
+        self.flash_attn, self.repack = flash_attn, repack
+        self._model = _load_model(lib, self.path, repack)
+        params = _context_params(lib, n_ctx, n_batch, max_seqs, self.n_threads, flash_attn)
+        self._ctx = lib.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            self._free_model()
+            raise ModelError(
+                f"llama.cpp could not create a context for {self.path} with n_ctx={n_ctx}, "
+                f"max_seqs={max_seqs}; try a smaller n_ctx"
+            )
+        try:
+            self._mem = MemoryOps.for_context(lib, self._ctx)
+            self._batch = BatchBuffer(lib, int(lib.llama_n_batch(self._ctx)))
+        except BaseException:
+            lib.llama_free(self._ctx)
+            self._free_model()
+            raise
+        self._closed = False
+        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
+        self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
+        # llama.cpp rounds the cache up (to a multiple of 256 cells): report the real capacity
+        self.kv = KVLayout(
+            block_size=BLOCK_SIZE, num_blocks=self.n_ctx // BLOCK_SIZE, paged=False, max_seqs=max_seqs
+        )
+        self._slots: dict[int, int] = {}  # engine seq id -> llama seq id
+        self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest id
+
+    # -- Runner ------------------------------------------------------------------------------------
+    def step(self, batch: StepBatch) -> np.ndarray:
+        """Decode every chunk (split into n_batch-sized llama_decode calls); logits in batch order."""
+        self._check_open()
+        chunks = batch.chunks
+        slots = self._prepare(chunks)
+        out = np.empty((batch.num_logit_rows, self.n_vocab), dtype=np.float32)
+        row = 0
+        for pieces in plan_windows(chunks, self._batch.capacity):
+            n_out = self._batch.fill(chunks, pieces, slots)
+            code = int(self._lib.llama_decode(self._ctx, self._batch.raw))
+            if code != 0:
+                self._truncate_to_starts(chunks, slots)
+                raise self._decode_error(code, batch)
+            if n_out:
+                # Output rows are contiguous in batch order (llama.cpp undoes its ubatch reordering).
+                logits = self._lib.llama_get_logits(self._ctx)
+                out[row : row + n_out] = np.ctypeslib.as_array(logits, shape=(n_out, self.n_vocab))
+                row += n_out
+        return out
+
+    def release(self, seq_id: int) -> None:
+        """Drop the sequence's KV and give its llama seq slot back (unknown ids: nothing to do)."""
+        slot = self._slots.pop(seq_id, None)
+        if slot is None or self._closed:
+            return
+        self._mem.seq_rm(slot, -1, -1)
+        self._free_slots.append(slot)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep only the first `length` positions of the sequence (the engine keeps full blocks)."""
+        slot = self._slots.get(seq_id)
+        if slot is not None and not self._closed:
+            self._mem.seq_rm(slot, length, -1)
+
+    def copy_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:
+        """Make dst's KV exactly src's first `num_tokens` positions (cells are shared, not copied)."""
+        self._check_open()
+        if src_seq not in self._slots:
+            raise ValueError(f"copy_prefix: source sequence {src_seq} has no KV in this runner")
+        src = self._slots[src_seq]
+        length = self._mem.seq_pos_max(src) + 1
+        if not 0 <= num_tokens <= length:
+            raise ValueError(
+                f"copy_prefix: sequence {src_seq} holds {length} positions, cannot share {num_tokens}"
+            )
+        if src_seq == dst_seq:
+            self._mem.seq_rm(src, num_tokens, -1)
+            return
+        dst = self._slot_for(dst_seq)
+        self._mem.seq_rm(dst, -1, -1)
+        if num_tokens:
+            self._mem.seq_cp(src, dst, 0, num_tokens)
+
+    def num_stored(self, seq_id: int) -> int:
+        """Positions of the sequence held in the KV cache (0 for unknown sequences)."""
+        self._check_open()
+        return self._length(seq_id)
+
+    def describe(self) -> dict[str, Any]:
+        lib = self._lib
+        info: dict[str, Any] = {
+            "backend": self.backend,
+            "device": "gpu" if lib.llama_supports_gpu_offload() else "cpu",
+            **versions(lib),
+            "memory_api": self._mem.api,
+            "n_threads": self.n_threads,
+            "n_ctx": self.n_ctx,
+            "n_batch": self._batch.capacity,
+            "max_seqs": self.kv.max_seqs,
+            "flash_attn": self.flash_attn,
+            "repack": self.repack,
+            "batch_invariant": self.flash_attn and not self.repack,
+            "model_path": str(self.path),
+            "model": model_desc(lib, self._model) if not self._closed else None,
+            "n_vocab": self.n_vocab,
+        }
+        return info
+
+    # -- lifetime ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the batch, context and model. Safe to call twice; the runner is unusable afterwards."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._slots.clear()
+        self._batch.free()
+        self._lib.llama_free(self._ctx)
+        self._ctx = None
+        self._free_model()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn down ctypes already
+            self.close()
+
+    def __enter__(self) -> LlamaCppRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _free_model(self) -> None:
+        free = getattr(self._lib, "llama_model_free", None) or self._lib.llama_free_model
+        free(self._model)
+        self._model = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LlamaCppRunner is closed")
+
+    def _slot_for(self, seq_id: int) -> int:
+        slot = self._slots.get(seq_id)
+        if slot is None:
+            if not self._free_slots:
+                raise ValueError(
+                    f"sequence {seq_id}: all max_seqs={self.kv.max_seqs} llama.cpp sequence slots are "
+                    "taken; release a finished sequence first"
+                )
+            slot = self._slots[seq_id] = self._free_slots.pop()
+        return slot
+
+    def _length(self, seq_id: int) -> int:
+        slot = self._slots.get(seq_id)
+        return 0 if slot is None else self._mem.seq_pos_max(slot) + 1
+
+    def _prepare(self, chunks: list[SeqChunk]) -> list[int]:
+        """Check the chunks, take slots for new sequences, drop positions >= start. Returns slots."""
+        seen: set[int] = set()
+        lengths: list[int] = []
+        for c in chunks:
+            if c.seq_id in seen:
+                raise ValueError(f"sequence {c.seq_id} has two chunks in one step")
+            seen.add(c.seq_id)
+            if min(c.tokens) < 0 or max(c.tokens) >= self.n_vocab:
+                raise ValueError(f"sequence {c.seq_id}: token id outside the vocabulary [0, {self.n_vocab})")
+            length = self._length(c.seq_id)
+            if c.start > length:
+                raise ValueError(
+                    f"sequence {c.seq_id}: chunk starts at position {c.start} but only {length} are stored"
+                )
+            lengths.append(length)
+        new = sum(c.seq_id not in self._slots for c in chunks)
+        if new > len(self._free_slots):
+            raise ValueError(
+                f"{new} new sequences but only {len(self._free_slots)} of max_seqs={self.kv.max_seqs} "
+                "llama.cpp slots are free; release finished sequences first"
+            )
+        slots = [self._slot_for(c.seq_id) for c in chunks]
+        rollback = [i for i, c in enumerate(chunks) if c.start < lengths[i]]
+        self._truncate_to_starts([chunks[i] for i in rollback], [slots[i] for i in rollback])
+        return slots
+
+    def _truncate_to_starts(self, chunks: list[SeqChunk], slots: list[int]) -> None:
+        for c, slot in zip(chunks, slots, strict=True):
+            if not self._mem.seq_rm(slot, c.start, -1):
+                raise DecodeError(f"llama.cpp cannot drop positions >= {c.start} of sequence {c.seq_id}", -1)
+
+    def _decode_error(self, code: int, batch: StepBatch) -> DecodeError:
+        where = f"{len(batch.chunks)} sequences, {batch.num_tokens} tokens"
+        if code == 1:
+            return KVCacheFull(
+                f"llama.cpp KV cache full ({self.n_ctx} cells) for a step of {where}; release or preempt sequences",
+                code,
+            )
+        return DecodeError(f"llama_decode failed with code {code} for a step of {where}", code)
