@@ -1,0 +1,84 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in one process never share).
+
+Per-request numbers (status, finish reason, TTFT, TPOT, tokens) are recorded by the request
+handlers; engine state (queue, running, KV blocks, prefix hits, guard trips) is read from the
+engine thread's latest `EngineStats` snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from twinfer.runtime.engine.async_engine import AsyncEngine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Callable[[], AsyncEngine | None]):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine()
+        yield GaugeMetricFamily("twinfer_engine_up", "1 while the engine thread runs", value=int(bool(engine and engine.alive)))
+        if engine is None:
+            return
+        s = engine.stats
+        gauges = [
+            ("twinfer_queue_depth", "requests waiting to be scheduled", s.waiting),
+            ("twinfer_requests_running", "requests being computed", s.running),
+            ("twinfer_requests_active", "requests submitted and not yet finished", engine.active),
+            ("twinfer_kv_blocks_used", "KV-cache blocks held by requests", s.kv_blocks_used),
+            ("twinfer_kv_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total),
+            ("twinfer_kv_usage_ratio", "fraction of KV-cache blocks in use", s.kv_usage),
+            ("twinfer_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens", s.prefix_hit_rate),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("twinfer_guard_trips", "times the token-loop guard cut a generation", value=s.guard_trips)
+        yield CounterMetricFamily("twinfer_preemptions", "requests preempted for KV memory", value=s.preemptions)
+        yield CounterMetricFamily("twinfer_engine_steps", "engine steps run", value=s.steps)
+
+
+class ServerMetrics:
+    """The registry and the per-request instruments of one app."""
+
+    def __init__(self, engine: Callable[[], AsyncEngine | None]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("twinfer_http_requests", "HTTP requests to /v1 routes by route and status",
+                                     ["route", "status"], registry=r)
+        self.finished = Counter("twinfer_request_finish", "generations finished, by finish reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("twinfer_prompt_tokens", "prompt tokens of finished generations", registry=r)
+        self.generation_tokens = Counter("twinfer_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("twinfer_time_to_first_token_seconds", "request arrival to first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("twinfer_time_per_output_token_seconds", "mean time between output tokens of a request",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.latency = Histogram("twinfer_request_latency_seconds", "request arrival to last token",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine))
+
+    def record_http(self, route: str, status: int) -> None:
+        known = route in ("/v1/chat/completions", "/v1/completions", "/v1/models")
+        self.http_requests.labels(route if known else "other", str(status)).inc()
+
+    def record_finish(self, reason: str, prompt_tokens: int, completion_tokens: int,
+                      ttft_s: float | None, tpot_s: float | None, latency_s: float) -> None:
+        self.finished.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        self.latency.observe(latency_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

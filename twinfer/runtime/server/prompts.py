@@ -1,0 +1,96 @@
+"""From a validated request body to what the engine runs: prompt token ids and SamplingParams.
+
+Everything a user can get wrong is checked here, before the engine sees it: the chat template's
+verdict on the messages, an empty prompt, token ids outside the vocabulary, a prompt longer than
+the context window, a `max_tokens` that does not fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from twinfer.runtime.engine.params import GuardConfig, SamplingParams
+from twinfer.runtime.errors import ModelError, RequestError
+from twinfer.runtime.server.errors import APIError
+from twinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+_TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+
+
+async def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """The messages rendered with the model's chat template, as token ids."""
+    messages = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":  # OpenAI's newer name for the system role
+            d["role"] = "system"
+        messages.append(d)
+    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}
+    try:
+        return await asyncio.to_thread(tokenizer.encode_chat, messages, req.add_generation_prompt, **extra)
+    except RequestError as e:
+        raise APIError(400, str(e), param="messages") from e
+    except ModelError as e:
+        raise APIError(500, f"the model's chat template cannot be used: {e}", "server_error") from e
+
+
+async def completion_prompt(tokenizer: Any, req: CompletionRequest, vocab_size: int) -> list[int]:
+    """The prompt as token ids: text is encoded (with BOS where the model wants it), ids are checked."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"got {len(prompt)} prompts; send one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = await asyncio.to_thread(tokenizer.encode, prompt) if prompt else []
+    else:
+        ids = list(prompt)
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+    if not ids:
+        raise APIError(400, "the prompt is empty; send at least one token of text", param="prompt")
+    return ids
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int, max_context: int,
+                    vocab_size: int, guard: GuardConfig) -> SamplingParams:
+    """SamplingParams for a request whose prompt has `prompt_len` tokens; APIError when it cannot run."""
+    where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    if prompt_len >= max_context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context window is {max_context}; "
+                       "shorten it", param=where, code="context_length_exceeded")
+    room = max_context - prompt_len
+    wanted = req.requested_max_tokens
+    name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    if wanted is not None and wanted < 1:
+        raise APIError(400, f"{name} must be at least 1, got {wanted}", param=name)
+    if wanted is not None and wanted > room:
+        raise APIError(400, f"this model's context window is {max_context} tokens, but you asked for {prompt_len + wanted} "
+                       f"({prompt_len} in the prompt, {wanted} to generate); lower {name} to at most {room}",
+                       param=name, code="context_length_exceeded")
+    stop = req.stop_list()
+    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                       f"{MAX_STOP_CHARS} characters", param="stop")
+    stop_ids = tuple(req.stop_token_ids or ())
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    temperature, top_p = req.temperature, req.top_p
+    if top_p == 0.0 or temperature < GREEDY_BELOW:  # a nucleus of mass 0 is the most likely token, and
+        temperature, top_p = 0.0, 1.0  # logits / 1e-300 overflow to NaN: both mean greedy (as in vLLM)
+    try:
+        return SamplingParams(
+            max_tokens=wanted if wanted is not None else room,
+            temperature=temperature, top_p=top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed % 2**64,
+            stop=tuple(stop), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+            logprobs=req.num_logprobs, guard=guard,
+        )
+    except RequestError as e:
+        raise APIError(400, str(e)) from e
