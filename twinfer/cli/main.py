@@ -77,6 +77,36 @@ def eval_kl(
 
 
 @app.command()
+def chat(
+    model: ModelArg = None,
+    backend: BackendOpt = "auto",
+    system: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--system", "-s", help="System prompt (default: 'You are a helpful assistant.'; '' for none).")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 means greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 0.95,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per reply.")] = 512,
+    seed: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--seed", help="Seed for reproducible replies (a regenerated reply uses the next seed).")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", help="Context window in tokens (history + reply); old turns are dropped past it.")] = 4096,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
+    template: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--template/--transcript",
+        help="Format the chat with the model's chat template, or as a plain User:/Assistant: transcript "
+             "(default: template for chat-tuned models, transcript for base models such as the default).")] = None,
+    resume: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--resume", help="Reopen a saved conversation: its id (the file name without .json) or 'last'.")] = None,
+    data_dir: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--data-dir", envvar="TWINFER_DATA_DIR", show_envvar=True,
+        help="Where conversations are saved, under conversations/ (default: the user data dir, e.g. "
+             "~/.local/share/twinfer).")] = None,
+) -> None:
+    """Chat with a model in a terminal UI (Esc stops a reply, Ctrl+R regenerates, Ctrl+S settings, Ctrl+Q quits)."""
+    from twinfer.cli.chat_cmd import run_chat
+
+    run_chat(model, backend, system, temperature, top_p, max_tokens, seed, ctx, threads, template, resume, data_dir)
+
+
+@app.command()
 def serve(
     model: ModelArg = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind; anything but loopback is reachable by others.")] = "127.0.0.1",
@@ -87,7 +117,8 @@ def serve(
     backend: BackendOpt = "auto",
     max_seqs: Annotated[int, typer.Option("--max-seqs", help="Requests computed at once.")] = 16,
     ctx: Annotated[int, typer.Option("--ctx", help="KV-cache tokens (also the longest prompt + completion).")] = 4096,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
+    threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--threads", help="CPU threads for the model (default: all cores but one, left to the HTTP server).")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond --max-seqs; past it, 429.")] = 64,
     served_model_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
         "--served-model-name", help="The model name clients send (default: the file or folder name).")] = None,

@@ -1,0 +1,27 @@
+"""`twinfer chat`: the Textual chat app for one model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from twinfer.runtime.errors import TwinferError
+
+
+def run_chat(model: str | None, backend: str, system: str | None, temperature: float, top_p: float,
+             max_tokens: int, seed: int | None, ctx: int, threads: int | None, template: bool | None,
+             resume: str | None, data_dir: str | None) -> None:
+    from twinfer.tui.app import ChatApp, ChatOptions
+    from twinfer.tui.backend import LoadOptions
+    from twinfer.tui.conversation import DEFAULT_SYSTEM, ConversationStore, Settings
+
+    if ctx < 64:
+        raise TwinferError(f"--ctx must be at least 64 tokens, got {ctx}")
+    if threads is not None and threads < 1:
+        raise TwinferError(f"--threads must be at least 1, got {threads}")
+    settings = Settings(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    store = ConversationStore(Path(data_dir).expanduser() / "conversations" if data_dir else None)
+    if resume:
+        store.load(resume)  # a bad id is a one-line error before the screen opens
+    options = ChatOptions(LoadOptions(model, backend, ctx, threads, template),
+                          DEFAULT_SYSTEM if system is None else system, settings, resume)
+    ChatApp(options, store=store).run()
