@@ -35,6 +35,7 @@ class EngineConfig:
     max_prefill_chunk: int = 512
     enable_prefix_cache: bool = True
     max_context: int | None = None  # defaults to the model's window, capped by the KV capacity
+    batch_invariant: bool = False  # see SchedulerConfig: exact batching on non-invariant runners
 
 
 class Engine:
@@ -45,9 +46,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         kv = runner.kv
-        self.blocks = BlockManager(kv.num_blocks, kv.block_size, self.config.enable_prefix_cache)
+        prefix_cache = self.config.enable_prefix_cache and not self.config.batch_invariant
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
         max_seqs = min(self.config.max_seqs, kv.max_seqs)
-        sched = SchedulerConfig(self.config.max_batch_tokens, max_seqs, self.config.max_prefill_chunk)
+        sched = SchedulerConfig(self.config.max_batch_tokens, max_seqs, self.config.max_prefill_chunk,
+                                self.config.batch_invariant)
         self.scheduler = Scheduler(sched, self.blocks, prefix_ok=None if kv.paged else self._slot_prefix_ok)
         window = runner.spec.max_position
         self.max_context = min(self.config.max_context or window, window, kv.capacity_tokens)
@@ -241,28 +244,45 @@ class Engine:
 
     # -- sequence-slot runners (llama.cpp) -----------------------------------------------------------
     def _slot_prefix_ok(self, block_ids: list[int]) -> int:
-        """A slot runner can reuse a prefix only if some live or kept sequence holds all of it."""
+        """A slot runner can reuse a prefix only if some live or kept sequence holds all of it, and
+        there is a slot for the new sequence while that source is still kept."""
         while block_ids and self.blocks.owner_of(block_ids[-1]) is None:
             block_ids = block_ids[:-1]
+        owner = self.blocks.owner_of(block_ids[-1]) if block_ids else None
+        if owner in self.retained and len(self.scheduler.running) + 2 > self.runner.kv.max_seqs:
+            return 0
         return len(block_ids)
 
     def _sync_slots(self, schedule: Schedule) -> None:
+        """Keep the slot runner's sequences in step with the schedule: drop preempted and evicted
+        sequences, copy cached prefixes into admitted ones, and keep slots within the limit."""
         if self.runner.kv.paged:
             return
+        for request in schedule.preempted:
+            self._release_seq(request.seq_id)
+        evicted, self.blocks.evicted_owners = set(self.blocks.evicted_owners), []
+        for owner in evicted & set(self.retained):
+            self._drop_retained(owner)
+        copies = []
         for s in schedule.items:
             if s.admitted and s.prefix_blocks:
                 owner = self.blocks.owner_of(self.blocks.table(s.request.seq_id)[s.prefix_blocks - 1])
                 if owner is not None and owner != s.request.seq_id:
-                    self.runner.copy_prefix(owner, s.request.seq_id, s.prefix_blocks * self.blocks.block_size)
-        for request in schedule.preempted:
-            self._release_seq(request.seq_id)
-        evicted, self.blocks.evicted_owners = set(self.blocks.evicted_owners), []
-        for owner in evicted:
-            if owner in self.retained:
-                self._drop_retained(owner)
-        limit = self.runner.kv.max_seqs - len(self.scheduler.running)
-        while len(self.retained) > max(limit - 1, 0):
-            self._drop_retained(next(iter(self.retained)))
+                    copies.append((owner, s.request.seq_id, s.prefix_blocks * self.blocks.block_size))
+        self._trim_retained(keep={src for src, _, _ in copies})
+        for i, (src, dst, n) in enumerate(copies):
+            self.runner.copy_prefix(src, dst, n)
+            self._trim_retained(keep={later for later, _, _ in copies[i + 1 :]})
+
+    def _trim_retained(self, keep: set[int]) -> None:
+        """Drop the oldest kept sequences (not in `keep`) until running + kept fit the slots."""
+        over = len(self.scheduler.running) + len(self.retained) - self.runner.kv.max_seqs
+        for seq in list(self.retained):
+            if over <= 0:
+                break
+            if seq not in keep:
+                self._drop_retained(seq)
+                over -= 1
 
     def _retain_or_release(self, seq_id: int, table: list[int]) -> None:
         """Keep a finished sequence's leading cached blocks in its slot for prefix reuse; drop the rest."""

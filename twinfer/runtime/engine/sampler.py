@@ -58,7 +58,7 @@ def sample_row(logits: np.ndarray, row: RowState) -> int:
     """One token from one row of (penalized) logits, using the row's own generator."""
     p = row.params
     temperature = p.temperature if row.temperature is None else row.temperature
-    if temperature == 0.0:
+    if temperature < 1e-5:  # dividing by a vanishing temperature overflows; it is greedy anyway
         return int(np.argmax(logits))
     if 0 < p.top_k < logits.shape[0]:
         cand = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
@@ -85,7 +85,8 @@ def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
     greedy_ids = np.argmax(logits, axis=-1)
     for i, row in enumerate(rows):
         p = row.params
-        simple = (p.greedy and row.temperature is None) and not p.penalized
+        greedy = (p.temperature if row.temperature is None else row.temperature) < 1e-5
+        simple = greedy and not p.penalized
         token = int(greedy_ids[i]) if simple else sample_row(apply_penalties(logits[i], row), row)
         result = Sampled(token)
         if p.logprobs is not None:

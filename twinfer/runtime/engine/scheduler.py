@@ -21,6 +21,11 @@ class SchedulerConfig:
     max_batch_tokens: int = 512  # tokens computed per step (prefill chunks + decodes)
     max_seqs: int = 16  # requests running at once
     max_prefill_chunk: int = 512  # longest piece of one prompt computed in one step
+    # Batch-invariant mode, for runners whose numerics depend on the rows in a call (llama.cpp on
+    # CPU): each prompt chunk runs alone at fixed boundaries, decode steps hold at most
+    # `invariant_rows` rows, and a resumed request replays its output one token per step.
+    batch_invariant: bool = False
+    invariant_rows: int = 7
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_seqs < 1 or self.max_prefill_chunk < 1:
@@ -52,6 +57,7 @@ class Scheduler:
         # prefix_ok(block_ids) -> how many of the matched blocks the runner can reuse
         self.prefix_ok = prefix_ok or (lambda block_ids: len(block_ids))
         self.preemptions = 0
+        self._turn = 0  # rotation of decode rows in batch-invariant mode
 
     @property
     def has_work(self) -> bool:
@@ -70,6 +76,8 @@ class Scheduler:
         self.blocks.free(request.seq_id)
 
     def schedule(self) -> Schedule:
+        if self.config.batch_invariant:
+            return self._schedule_invariant()
         out = Schedule()
         budget = self.config.max_batch_tokens
         self.running.sort(key=Request.sort_key)
@@ -86,6 +94,49 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(budget, out)
         return out
+
+    def _schedule_invariant(self) -> Schedule:
+        out = Schedule()
+        self.running.sort(key=Request.sort_key)
+        chunk = self.config.max_prefill_chunk
+        for request in self.running:
+            if request.num_computed < len(request.prompt):
+                n = min(len(request.prompt) - request.num_computed, chunk)
+                if self._grow(request, n, out):
+                    out.items.append(Scheduled(request, n))
+                return out
+        request = self.waiting[0] if self.waiting else None
+        # Admit only with room for the whole prompt and one more block per running request: a
+        # prompt step excludes decodes, so admitting into a full pool would preempt forever.
+        if request is not None and len(self.running) < self.config.max_seqs and (
+            self.blocks.blocks_for(len(request.prompt) + 1) + len(self.running) <= self.blocks.num_free
+        ):
+            n = min(len(request.prompt), chunk)
+            try:
+                self.blocks.allocate(request.seq_id, [], n, request.tokens)
+            except OutOfBlocks:
+                pass
+            else:
+                self.waiting.pop(0)
+                request.num_computed = 0
+                self._start(request)
+                out.items.append(Scheduled(request, n, admitted=True))
+                return out
+        rows = self.config.invariant_rows
+        turn = self._turn % max(len(self.running), 1)
+        for request in (self.running[turn:] + self.running[:turn])[:rows]:
+            if request in self.running and self._grow(request, 1, out):
+                out.items.append(Scheduled(request, 1))
+        self._turn += rows
+        return out
+
+    def _start(self, request: Request) -> None:
+        if not request.output:
+            request.cached_tokens = request.num_computed
+        request.status = Status.RUNNING
+        if request.timings.scheduled is None:
+            request.timings.scheduled = time.perf_counter()
+        self.running.append(request)
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed
@@ -128,12 +179,7 @@ class Scheduler:
                 request.num_computed = 0
                 break
             self.waiting.pop(0)
-            if not request.output:
-                request.cached_tokens = request.num_computed
-            request.status = Status.RUNNING
-            if request.timings.scheduled is None:
-                request.timings.scheduled = time.perf_counter()
-            self.running.append(request)
+            self._start(request)
             out.items.append(Scheduled(request, n, admitted=True, prefix_blocks=len(prefix)))
             budget -= n
         return budget
