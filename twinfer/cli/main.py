@@ -77,6 +77,28 @@ def eval_kl(
 
 
 @app.command()
+def bench(
+    model: ModelArg = None,
+    concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Comma-separated levels, e.g. 1,4,16.")] = "1,4,16",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length in tokens.")] = 64,
+    output_tokens: Annotated[int, typer.Option("--output-tokens", help="Tokens generated per request.")] = 64,
+    shared_prefix: Annotated[int, typer.Option("--shared-prefix", help="Leading prompt tokens all requests share.")] = 0,
+    requests_per_client: Annotated[int, typer.Option("--requests-per-client", help="Requests per concurrent client.")] = 2,
+    corpus: Annotated[str, typer.Option("--corpus", help="Where prompts come from: prose, code or a text file.")] = "prose",
+    backend: BackendOpt = "auto",
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for the runner.")] = None,  # noqa: UP045
+    url: Annotated[Optional[str], typer.Option("--url", help="Bench a running twinfer/OpenAI server instead.")] = None,  # noqa: UP045
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TWINFER_API_KEY", help="Bearer key for --url.")] = None,  # noqa: UP045
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Throughput and latency at given concurrency, with hardware, build and traffic shape attached."""
+    from twinfer.cli.bench_cmd import run_bench_cmd
+
+    run_bench_cmd(model, concurrency, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
+                  backend, threads, url, api_key, json_out)
+
+
+@app.command()
 def chat(
     model: ModelArg = None,
     backend: BackendOpt = "auto",

@@ -96,6 +96,13 @@ class Engine:
             return None
         return self._finish(request, "abort")
 
+    def close(self) -> None:
+        """Abort everything and give a slot runner's kept sequences back (the runner stays usable)."""
+        for request_id in [r for r, req in self.requests.items() if not req.finished]:
+            self.abort(request_id)
+        for seq in list(self.retained):
+            self._drop_retained(seq)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work

@@ -1,0 +1,48 @@
+"""`twinfer bench`: in-process (MODEL) or over HTTP (--url)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from twinfer.runtime.errors import TwinferError
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise TwinferError(f"--concurrency {text!r}: give positive integers separated by commas, e.g. 1,4,16")
+    return levels
+
+
+def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, output_tokens: int, shared_prefix: int,
+                  requests_per_client: int, corpus: str, backend: str, threads: int | None, url: str | None,
+                  api_key: str | None, json_out: bool) -> None:
+    levels = _levels(concurrency)
+    if url:
+        from twinfer.runtime.server.http_bench import run_http_bench
+
+        report = run_http_bench(url, levels, prompt_tokens, output_tokens, api_key,
+                                requests_per_client=requests_per_client)
+    else:
+        from twinfer.runtime.bench import run_bench
+        from twinfer.runtime.load import open_model
+
+        ctx = max(levels) * (prompt_tokens + output_tokens + 32) + 256
+        opened = open_model(model, backend, max_seqs=max(levels), ctx=ctx, threads=threads)
+        report = run_bench(opened, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus)
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    build, hw, traffic = report["build"], report["hardware"], report["traffic"]
+    typer.echo(f"hardware: {hw.get('cpu', hw.get('machine'))} ({hw.get('cpus')} cpus)")
+    typer.echo(f"build:    twinfer {build.get('twinfer')} {build.get('revision') or ''} backend={build.get('backend')}")
+    typer.echo(f"traffic:  {traffic}")
+    typer.echo(f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}")
+    for r in report["results"]:
+        typer.echo(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_p50_s']*1e3:>7.0f}ms "
+                   f"{r['ttft_p99_s']*1e3:>7.0f}ms {r['tpot_p50_s']*1e3:>7.1f}ms {r['tpot_p99_s']*1e3:>7.1f}ms")
