@@ -11,10 +11,10 @@ from functools import cache
 
 import numpy as np
 import pytest
+from fixtures_models import hf_canonical, hf_model, state_dict_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fixtures_models import hf_canonical, hf_model, state_dict_np
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
 from twinfer.runtime.engine.sampler import log_softmax
 from twinfer.runtime.spec import ModelSpec

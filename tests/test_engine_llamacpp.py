@@ -31,7 +31,7 @@ def _opened(ctx: int, seqs: int):  # noqa: ANN202
 
 def engine(ctx: int = 1024, seqs: int = 8, **config: int | bool) -> Engine:
     opened = _opened(ctx, seqs)
-    for seq in range(10_000):  # a fresh engine: drop whatever an earlier one left in the slots
+    for _ in range(10_000):  # a fresh engine: drop whatever an earlier one left in the slots
         if not opened.runner._slots:  # noqa: SLF001
             break
         opened.runner.release(next(iter(opened.runner._slots)))  # noqa: SLF001

@@ -74,10 +74,10 @@ def test_unknown_backend() -> None:
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["eval", "kl", "--help"]])
 def test_help_is_fast_and_lists_options(args: list[str]) -> None:
     code = (
-        "import sys\nsys.argv = ['twinfer', *%r]\nfrom twinfer.cli.main import main\n"
+        f"import sys\nsys.argv = ['twinfer', *{args!r}]\nfrom twinfer.cli.main import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('HEAVY', sorted(m for m in ('torch', 'mlx', 'llama_cpp', 'transformers') if m in sys.modules))\n"
-    ) % (args,)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
     assert "Usage" in out.stdout

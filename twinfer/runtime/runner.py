@@ -52,13 +52,13 @@ class Runner(ABC):
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one forward pass; return float32 logits [batch.num_logit_rows, vocab]."""
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget a finished or preempted sequence's KV (paged runners: nothing to do)."""
 
-    def truncate(self, seq_id: int, length: int) -> None:
+    def truncate(self, seq_id: int, length: int) -> None:  # noqa: B027 - optional hook
         """Keep only the first `length` KV positions of a sequence (sequence-slot runners only)."""
 
-    def copy_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:
+    def copy_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:  # noqa: B027 - optional hook
         """Share the first `num_tokens` KV positions of src with dst (sequence-slot runners only)."""
 
     def describe(self) -> dict[str, Any]:

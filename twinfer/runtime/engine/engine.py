@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from functools import partial
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
@@ -273,9 +273,9 @@ class Engine:
         copies = []
         for s in schedule.items:
             if s.admitted and s.prefix_blocks:
-                owner = self.blocks.owner_of(self.blocks.table(s.request.seq_id)[s.prefix_blocks - 1])
-                if owner is not None and owner != s.request.seq_id:
-                    copies.append((owner, s.request.seq_id, s.prefix_blocks * self.blocks.block_size))
+                src = self.blocks.owner_of(self.blocks.table(s.request.seq_id)[s.prefix_blocks - 1])
+                if src is not None and src != s.request.seq_id:
+                    copies.append((src, s.request.seq_id, s.prefix_blocks * self.blocks.block_size))
         self._trim_retained(keep={src for src, _, _ in copies})
         for i, (src, dst, n) in enumerate(copies):
             self.runner.copy_prefix(src, dst, n)

@@ -105,22 +105,22 @@ class Scheduler:
                 if self._grow(request, n, out):
                     out.items.append(Scheduled(request, n))
                 return out
-        request = self.waiting[0] if self.waiting else None
-        # Admit only with room for the whole prompt and one more block per running request: a
+        candidate = self.waiting[0] if self.waiting else None
+        # Admit only with room for the whole prompt and one more block per running candidate: a
         # prompt step excludes decodes, so admitting into a full pool would preempt forever.
-        if request is not None and len(self.running) < self.config.max_seqs and (
-            self.blocks.blocks_for(len(request.prompt) + 1) + len(self.running) <= self.blocks.num_free
+        if candidate is not None and len(self.running) < self.config.max_seqs and (
+            self.blocks.blocks_for(len(candidate.prompt) + 1) + len(self.running) <= self.blocks.num_free
         ):
-            n = min(len(request.prompt), chunk)
+            n = min(len(candidate.prompt), chunk)
             try:
-                self.blocks.allocate(request.seq_id, [], n, request.tokens)
+                self.blocks.allocate(candidate.seq_id, [], n, candidate.tokens)
             except OutOfBlocks:
                 pass
             else:
                 self.waiting.pop(0)
-                request.num_computed = 0
-                self._start(request)
-                out.items.append(Scheduled(request, n, admitted=True))
+                candidate.num_computed = 0
+                self._start(candidate)
+                out.items.append(Scheduled(candidate, n, admitted=True))
                 return out
         rows = self.config.invariant_rows
         turn = self._turn % max(len(self.running), 1)
