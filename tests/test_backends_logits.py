@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,96 +89,21 @@ def _randomize(model: Any, gemma: bool) -> None:
                 p.normal_(0.0, p.shape[-1] ** -0.5)  # the last axis is the input features
 
 
+_SAVED: dict[str, Any] = {}
+
+
 @cache
 def canonical(arch: str) -> tuple[ModelSpec, dict[str, np.ndarray]]:
-    """The model as twinfer sees it: a spec and canonical-name float32 weights.
+    """The model as twinfer loads it: save_pretrained (fp32 safetensors), then `load_model`."""
+    import tempfile
 
-    When `runtime.loaders` lands, this becomes: `model.save_pretrained(tmp)`, `load_model(tmp)`,
-    and the runners come from `load_torch_runner` / `load_mlx_runner`.
-    """
-    model = hf_model(arch)
-    return spec_from_config(model.config), canonical_weights(model.state_dict(), arch == "gemma3")
+    from twinfer.runtime.loaders import load_model
 
-
-def spec_from_config(cfg: Any) -> ModelSpec:
-    rope = cfg.rope_parameters
-    local = None
-    if SLIDING in rope:  # Gemma 3: one rope per attention type
-        local, rope = rope[SLIDING]["rope_theta"], rope[FULL]
-    scaling = None if rope.get("rope_type", "default") == "default" else tuple(sorted(rope.items()))
-    layer_types = tuple(getattr(cfg, "layer_types", None) or ())
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
-    moe = None
-    if experts:
-        moe = MoESpec(
-            num_experts=experts,
-            top_k=cfg.num_experts_per_tok,
-            expert_intermediate_size=getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
-            norm_topk_prob=getattr(cfg, "norm_topk_prob", True),  # Mixtral always renormalizes
-        )
-    act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
-    return ModelSpec(
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        intermediate_size=cfg.intermediate_size,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=rope["rope_theta"],
-        rope_local_theta=local,
-        rope_scaling=scaling,
-        sliding_window=cfg.sliding_window if SLIDING in layer_types else None,
-        layer_types=layer_types if SLIDING in layer_types else (),
-        hidden_act={"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=cfg.model_type == "qwen2",
-        qk_norm=cfg.model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-        embed_scale=cfg.model_type == "gemma3_text",
-        query_pre_attn_scalar=getattr(cfg, "query_pre_attn_scalar", None),
-        final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
-        moe=moe,
-    )
-
-
-_NAMES = {  # HF suffix -> canonical suffix, inside `model.layers.N.`
-    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
-    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
-    "mlp.gate.weight": "router", "mlp.experts.down_proj": "experts.down",
-}  # fmt: skip
-_GEMMA_NAMES = {
-    "post_attention_layernorm.weight": "post_attn_norm",
-    "pre_feedforward_layernorm.weight": "mlp_norm",
-    "post_feedforward_layernorm.weight": "post_mlp_norm",
-}
-
-
-def canonical_weights(state_dict: dict[str, Any], gemma: bool) -> dict[str, np.ndarray]:
-    """HF state_dict -> canonical names (the loaders' job; kept here until they land)."""
-    table = {**_NAMES, **_GEMMA_NAMES} if gemma else _NAMES
-    out: dict[str, np.ndarray] = {}
-    for hf, tensor in state_dict.items():
-        value = tensor.detach().float().numpy().copy()
-        if hf in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            name = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm"}.get(hf, "lm_head")
-        else:
-            _, _, layer, suffix = hf.split(".", 3)  # model.layers.N.suffix
-            prefix = f"layers.{layer}."
-            if suffix == "mlp.experts.gate_up_proj":  # fused [E, 2I, C]: gate first
-                half = value.shape[1] // 2
-                out[prefix + "experts.gate"], out[prefix + "experts.up"] = value[:, :half], value[:, half:]
-                continue
-            assert suffix in table, f"unmapped HF weight {hf}"
-            name = prefix + table[suffix]
-        if gemma and name.endswith("norm"):
-            value = value + np.float32(1.0)  # Gemma's RMSNorm multiplies by 1 + w
-        out[name] = value
-    return out
+    folder = _SAVED.setdefault("root", tempfile.TemporaryDirectory())
+    path = Path(folder.name) / arch
+    hf_model(arch).save_pretrained(path)
+    loaded = load_model(path)
+    return loaded.spec, {name: loaded.weights.load(name) for name in loaded.weights.names()}
 
 
 @cache

@@ -58,3 +58,18 @@ def test_own_graph_matches_references(candidate: str, corpus: str) -> None:
     assert hf.tokens == llama.tokens >= TOKENS - 2
     assert hf.mean_kl <= 1e-4 and hf.top1_agreement >= 0.995, hf
     assert llama.mean_kl <= 0.01 and llama.top1_agreement >= 0.94, llama
+
+
+def test_torch_batch_of_four_equals_each_alone() -> None:
+    from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    runner = _candidate("torch").runner
+    tok = load_tokenizer(None)
+    prompts = ["The three laws of thermodynamics are", "def fibonacci(n):\n", "Paris is the capital of",
+               "In 1492, Columbus"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, guard=GuardConfig(enabled=False))
+    alone = [Engine(runner, tok).generate([p], params)[0].token_ids for p in prompts]
+    together = Engine(runner, tok, EngineConfig(max_seqs=4)).generate(prompts, params)
+    assert [o.token_ids for o in together] == alone
+    assert len({tuple(a) for a in alone}) == 4

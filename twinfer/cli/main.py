@@ -147,12 +147,15 @@ def serve(
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds SIGTERM waits for in-flight requests.")] = 30.0,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body accepted (413 above).")] = 4.0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
+    loop_guard: Annotated[bool, typer.Option("--loop-guard/--no-loop-guard",
+                                             help="Cut generations that repeat a token 4+ times (finish_reason 'loop').")] = True,
+    guard_retries: Annotated[int, typer.Option("--guard-retries", help="Retry a looping request with a fresh seed this many times.")] = 0,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.cli.serve_cmd import run_serve
 
     run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
-              drain_timeout, max_body_mb, log_level)
+              drain_timeout, max_body_mb, log_level, loop_guard, guard_retries)
 
 HardwareOpt = Annotated[
     str,

@@ -19,7 +19,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def run_serve(model: str | None, host: str, port: int, api_key: str | None, backend: str, max_seqs: int,
               ctx: int, threads: int | None, max_queue: int, served_model_name: str | None,
-              drain_timeout: float, max_body_mb: float, log_level: str) -> None:
+              drain_timeout: float, max_body_mb: float, log_level: str, loop_guard: bool = True,
+              guard_retries: int = 0) -> None:
+    from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
     from twinfer.runtime.server.serve import make_server
 
@@ -30,8 +32,11 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
     threads = threads or max(1, (os.cpu_count() or 2) - 1)
     name = served_model_name or model_name(model)
     aliases = tuple(a for a in (model,) if a and a != name)
+    if guard_retries < 0:
+        raise TwinferError("--guard-retries must be >= 0")
+    guard = GuardConfig(enabled=loop_guard, retries=guard_retries)
     app = create_app(None, None, name, api_key=api_key or None, aliases=aliases,
-                     max_body_bytes=int(max_body_mb * 1024 * 1024))
+                     max_body_bytes=int(max_body_mb * 1024 * 1024), guard=guard)
     state = app.state.twinfer
     server = make_server(app, host, port, grace_s=drain_timeout, log_level=log_level)
     if host not in LOOPBACK and not api_key:

@@ -51,26 +51,29 @@ def bench_prompt(prompt_tokens: int, key: int) -> str:
 
 def run_http_bench(url: str, concurrency: list[int], prompt_tokens: int, output_tokens: int,
                    api_key: str | None = None, *, requests_per_client: int = 4, model: str | None = None,
-                   timeout_s: float = 600.0) -> dict[str, Any]:
-    """Drive `url` at each concurrency; returns {"hardware", "build", "traffic", "results"}."""
+                   timeout_s: float = 600.0, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Drive `url` at each concurrency; returns {"hardware", "build", "traffic", "results"}.
+
+    `extra_body` is merged into every request (e.g. a `logit_bias` banning EOS for servers that do
+    not know `ignore_eos`)."""
     if not concurrency or min(concurrency) < 1 or prompt_tokens < 1 or output_tokens < 1 or requests_per_client < 1:
         raise TwinferError("concurrency levels, --prompt-tokens, --output-tokens and requests per client must be >= 1")
     return asyncio.run(_bench(url.rstrip("/"), concurrency, prompt_tokens, output_tokens, api_key,
-                              requests_per_client, model, timeout_s))
+                              requests_per_client, model, timeout_s, extra_body or {}))
 
 
 async def _bench(url: str, concurrency: list[int], prompt_tokens: int, output_tokens: int, api_key: str | None,
-                 per_client: int, model: str | None, timeout_s: float) -> dict[str, Any]:
+                 per_client: int, model: str | None, timeout_s: float, extra: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency) + 4, max_keepalive_connections=max(concurrency) + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as client:
         model, server = await _server_info(client, model)
-        await _one(client, model, bench_prompt(prompt_tokens, -1), min(output_tokens, 4))  # warm-up
+        await _one(client, model, bench_prompt(prompt_tokens, -1), min(output_tokens, 4), extra)  # warm-up
         results = []
         for c in concurrency:
-            results.append(await _level(client, model, c, per_client, prompt_tokens, output_tokens))
+            results.append(await _level(client, model, c, per_client, prompt_tokens, output_tokens, extra))
     return {
         "hardware": {"server": server.get("hardware"), "client": platform.platform(), "client_cpus": os.cpu_count()},
         "build": {"url": url, "model": model, "server": server.get("build")},
@@ -105,13 +108,13 @@ async def _server_info(client: Any, model: str | None) -> tuple[str, dict[str, A
 
 
 async def _level(client: Any, model: str, c: int, per_client: int, prompt_tokens: int,
-                 output_tokens: int) -> dict[str, Any]:
+                 output_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
     samples: list[Sample] = []
 
     async def worker(w: int) -> None:
         for i in range(per_client):
             prompt = bench_prompt(prompt_tokens, 1_000_003 * c + 1009 * w + i)
-            samples.append(await _one(client, model, prompt, output_tokens))
+            samples.append(await _one(client, model, prompt, output_tokens, extra))
 
     started = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(c)))
@@ -129,9 +132,9 @@ async def _level(client: Any, model: str, c: int, per_client: int, prompt_tokens
     }  # fmt: skip
 
 
-async def _one(client: Any, model: str, prompt: str, max_tokens: int) -> Sample:
+async def _one(client: Any, model: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}
     started = time.perf_counter()
     first = last = None
     chunks = 0
