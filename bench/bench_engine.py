@@ -47,15 +47,13 @@ def single_stream(threads: int, prompt_tokens: int = 64, gen: int = 128) -> dict
         ours.append((gen - 1) / (r.metrics["latency_s"] - r.metrics["ttft_s"]))
         engine.close()
         llm.reset()
-        t0, n, t1 = time.perf_counter(), 0, 0.0
-        for _tok in llm.generate(prompt, temp=0.0, reset=True):
-            n += 1
+        t1 = 0.0
+        for n, _tok in enumerate(llm.generate(prompt, temp=0.0, reset=True), start=1):
             if n == 1:
                 t1 = time.perf_counter()
             if n == gen:
                 break
         theirs.append((gen - 1) / (time.perf_counter() - t1))
-        del t0
     out["twinfer_llamacpp_tok_s"] = max(ours)
     out["llama_cpp_python_tok_s"] = max(theirs)
     out["ratio"] = max(ours) / max(theirs)
@@ -128,13 +126,13 @@ def llama_cpp_server(threads: int, path: str) -> dict[str, Any]:
         proc.wait(timeout=30)
 
 
-def twinfer_server(threads: int) -> dict[str, Any]:
-    """`twinfer serve` on the default model at 16 concurrent HTTP clients, 64/64 tokens."""
+def twinfer_server(threads: int, clients: int = 16, requests: int = 2) -> dict[str, Any]:
+    """`twinfer serve` on the default model at `clients` concurrent HTTP clients, 64/64 tokens."""
     from twinfer.runtime.server.http_bench import run_http_bench
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port),
-                             "--threads", str(threads), "--max-seqs", "16", "--ctx", "4096", "--no-loop-guard"],
+                             "--threads", str(threads), "--max-seqs", str(clients), "--ctx", "4096", "--no-loop-guard"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         import httpx
@@ -146,7 +144,7 @@ def twinfer_server(threads: int) -> dict[str, Any]:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        return run_http_bench(f"http://127.0.0.1:{port}", [16], 64, 64, requests_per_client=2)
+        return run_http_bench(f"http://127.0.0.1:{port}", [clients], 64, 64, requests_per_client=requests)
     finally:
         proc.terminate()
         proc.wait(timeout=60)

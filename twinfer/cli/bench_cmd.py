@@ -21,8 +21,12 @@ def _levels(text: str) -> list[int]:
 
 def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, output_tokens: int, shared_prefix: int,
                   requests_per_client: int, corpus: str, backend: str, threads: int | None, url: str | None,
-                  api_key: str | None, json_out: bool) -> None:
+                  api_key: str | None, json_out: bool, speculate: str = "off") -> None:
+    from twinfer.runtime.speculative.options import parse_speculate
+
     levels = _levels(concurrency)
+    if url and parse_speculate(speculate)[0] != "off":
+        raise TwinferError("--speculate applies to in-process runs; start the server with `twinfer serve --speculate`")
     if url:
         from twinfer.runtime.server.http_bench import run_http_bench
 
@@ -31,10 +35,13 @@ def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, outpu
     else:
         from twinfer.runtime.bench import run_bench
         from twinfer.runtime.load import open_model
+        from twinfer.runtime.speculative.options import open_proposer
 
         ctx = max(levels) * (prompt_tokens + output_tokens + 32) + 256
         opened = open_model(model, backend, max_seqs=max(levels), ctx=ctx, threads=threads)
-        report = run_bench(opened, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus)
+        proposer = open_proposer(speculate, opened, max_seqs=max(levels), ctx=ctx, threads=threads)
+        report = run_bench(opened, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
+                           proposer, speculate)
     if json_out:
         typer.echo(json.dumps(report))
         return
@@ -46,3 +53,8 @@ def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, outpu
     for r in report["results"]:
         typer.echo(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_p50_s']*1e3:>7.0f}ms "
                    f"{r['ttft_p99_s']*1e3:>7.0f}ms {r['tpot_p50_s']*1e3:>7.1f}ms {r['tpot_p99_s']*1e3:>7.1f}ms")
+    for r in report["results"]:
+        spec = r.get("speculative")
+        if spec:
+            typer.echo(f"speculate c={r['concurrency']}: {spec['proposer']} proposed {spec['proposed']}, accepted "
+                       f"{spec['accepted']} ({spec['acceptance_rate']:.0%}), est. speedup {spec['speedup_estimate']:.2f}x")

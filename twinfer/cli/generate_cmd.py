@@ -10,11 +10,16 @@ from twinfer.runtime.load import open_model
 
 
 def run_generate(model: str | None, prompt: str, max_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int | None, backend: str, chat: bool | None, threads: int | None) -> None:
+                 top_k: int, seed: int | None, backend: str, chat: bool | None, threads: int | None,
+                 speculate: str = "off") -> None:
+    from twinfer.runtime.speculative.options import open_proposer, parse_speculate
+
     if not prompt.strip():
         raise RequestError("the prompt is empty: give the text to continue, e.g. twinfer generate 'Hello'")
+    parse_speculate(speculate)  # a typo fails before the model loads
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     opened = open_model(model, backend, max_seqs=1, ctx=4096, threads=threads)
+    proposer = open_proposer(speculate, opened, max_seqs=1, ctx=4096, threads=threads)
     tokenizer = opened.tokenizer
     if chat is None:
         chat = opened.instruct
@@ -22,7 +27,7 @@ def run_generate(model: str | None, prompt: str, max_tokens: int, temperature: f
         tokens = tokenizer.encode_chat([{"role": "user", "content": prompt}])
     else:
         tokens = tokenizer.encode(prompt)
-    engine = Engine(opened.runner, tokenizer, EngineConfig(max_seqs=1))
+    engine = Engine(opened.runner, tokenizer, EngineConfig(max_seqs=1), proposer)
     engine.add_request(tokens, params)
     reason = None
     while engine.has_work:

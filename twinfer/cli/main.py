@@ -31,6 +31,10 @@ ModelArg = Annotated[
 BackendOpt = Annotated[
     str, typer.Option("--backend", help="auto, llamacpp, torch or mlx (auto: llamacpp for GGUF, else torch).")
 ]
+SpeculateOpt = Annotated[
+    str, typer.Option("--speculate", help="Speculative decoding: off, ngram (prompt lookup), draft:PATH (a smaller "
+                      "model with the same tokenizer) or self:N (this model with N layers skipped; torch/mlx).")
+]
 
 
 @app.command()
@@ -48,13 +52,14 @@ def generate(
         typer.Option("--chat/--raw", help="Wrap the prompt in the chat template (default: only for chat-tuned models)."),
     ] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
+    speculate: SpeculateOpt = "off",
 ) -> None:
     """Stream a completion of PROMPT to stdout."""
     from twinfer.cli.generate_cmd import run_generate
 
     model = model_or_prompt if prompt is not None else None
     text = prompt if prompt is not None else model_or_prompt
-    run_generate(model, text, max_tokens, temperature, top_p, top_k, seed, backend, chat, threads)
+    run_generate(model, text, max_tokens, temperature, top_p, top_k, seed, backend, chat, threads, speculate)
 
 
 @eval_app.command("kl")
@@ -90,12 +95,13 @@ def bench(
     url: Annotated[Optional[str], typer.Option("--url", help="Bench a running twinfer/OpenAI server instead.")] = None,  # noqa: UP045
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TWINFER_API_KEY", help="Bearer key for --url.")] = None,  # noqa: UP045
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    speculate: SpeculateOpt = "off",
 ) -> None:
     """Throughput and latency at given concurrency, with hardware, build and traffic shape attached."""
     from twinfer.cli.bench_cmd import run_bench_cmd
 
     run_bench_cmd(model, concurrency, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
-                  backend, threads, url, api_key, json_out)
+                  backend, threads, url, api_key, json_out, speculate)
 
 
 @app.command()
@@ -150,12 +156,13 @@ def serve(
     loop_guard: Annotated[bool, typer.Option("--loop-guard/--no-loop-guard",
                                              help="Cut generations that repeat a token 4+ times (finish_reason 'loop').")] = True,
     guard_retries: Annotated[int, typer.Option("--guard-retries", help="Retry a looping request with a fresh seed this many times.")] = 0,
+    speculate: SpeculateOpt = "off",
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.cli.serve_cmd import run_serve
 
     run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
-              drain_timeout, max_body_mb, log_level, loop_guard, guard_retries)
+              drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate)
 
 HardwareOpt = Annotated[
     str,

@@ -9,7 +9,7 @@ from twinfer.planners.calibration import Calibration
 from twinfer.planners.cost import _native, kv_native
 from twinfer.planners.formats import GOOD, LOSSY, MIXES
 from twinfer.planners.hardware import APPLE, Cluster
-from twinfer.planners.memory import max_concurrency, max_context, memory_for
+from twinfer.planners.memory import FULL_LENGTH_KV, max_concurrency, max_context, memory_for
 from twinfer.planners.model import ModelProfile
 from twinfer.planners.search import Candidate, Request, search, target_of
 from twinfer.planners.units import fmt_bytes, fmt_rate, fmt_seconds
@@ -104,6 +104,14 @@ def _moe_reason(c: Candidate, request: Request) -> str | None:
     return f"all {e} experts resident; a token reads {k} of them per layer ({fmt_bytes(_step_bytes(c))} per token)"
 
 
+def _window_note(c: Candidate, request: Request) -> str:
+    spec = c.profile.spec
+    windows = [w for w in (spec.window(i) for i in range(spec.num_layers)) if w]
+    if c.strategy.engine in FULL_LENGTH_KV and windows and request.context > min(windows):
+        return " (the llama.cpp runner keeps sliding-window layers at full length, for exact rollback)"
+    return ""
+
+
 def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request: Request,
             cal: Calibration) -> tuple[list[str], list[str]]:
     s, mem, single = c.strategy, c.memory, c.single
@@ -117,7 +125,8 @@ def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request:
         if line:
             reasons.append(line)
     reasons.append(f"KV cache in {s.kv.label}: {fmt_bytes(mem.kv_bytes_per_token)} per token at {request.context} "
-                   f"tokens of context, {fmt_bytes(mem.kv)} per device for {request.concurrency} sequence(s)")
+                   f"tokens of context, {fmt_bytes(mem.kv)} per device for {request.concurrency} sequence(s)"
+                   + _window_note(c, request))
     warnings = []
     if s.prune:
         warnings.append(f"pruned {s.prune:.0%} of the {'experts' if c.profile.moe else 'layers'} to fit: expect a "

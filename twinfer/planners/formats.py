@@ -178,6 +178,7 @@ class KVFormat:
 
 
 KV_FORMATS: dict[str, KVFormat] = {k.name: k for k in [
+    KVFormat("f32", 32.0, "f32", 0.0, LOSSLESS, "F32"),  # the torch runner on a CPU: KV in its f32 activations
     KVFormat("bf16", 16.0, "bf16", 0.0, LOSSLESS, "BF16"),
     KVFormat("f16", 16.0, "f16", 0.0, LOSSLESS, "F16"),
     KVFormat("fp8", 8.0, "fp8", 1.0, NEAR, "FP8 (E4M3)", 0.0005),

@@ -11,11 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from twinfer.planners.cost import Strategy, kv_bytes_per_seq, kv_shard
+from twinfer.planners.cost import Strategy, kv_shard
 from twinfer.planners.hardware import APPLE, CPU, Cluster
 from twinfer.planners.model import ModelProfile
 
 RUNTIME_OVERHEAD = {"llamacpp": 0.3e9, "torch": 1.0e9, "mlx": 0.3e9}  # CUDA context, graphs, allocator slack
+# Runners whose cache keeps sliding-window layers at full length: twinfer's llama.cpp runner sets
+# `swa_full` so rollback and prefix copies stay exact, so every layer holds every token.
+FULL_LENGTH_KV = frozenset({"llamacpp"})
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ def activation_bytes(profile: ModelProfile, s: Strategy, concurrency: int) -> fl
     return chunk * per_token + max(1, concurrency) * spec.vocab_size * 4
 
 
+def kv_alloc_per_token(profile: ModelProfile, s: Strategy, context: int) -> float:
+    """KV bytes the runner allocates per token of `context` (what a decode step reads may be less)."""
+    return profile.spec.kv_bytes_per_token(s.kv.bits / 8, None if s.engine in FULL_LENGTH_KV else context)
+
+
 def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency: int, context: int) -> Memory:
     """Per-device memory of `concurrency` sequences at `context` tokens under strategy `s`."""
     weights = profile.weight_bytes(s.mix)
@@ -68,8 +76,8 @@ def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency
     shard = s.tp * s.pp
     resident = (weights - streamed) / shard
     seqs = math.ceil(max(1, concurrency) / s.dp)
-    kv_tok = profile.spec.kv_bytes_per_token(s.kv.bits / 8, context)
-    kv = seqs * kv_bytes_per_seq(profile, s.kv, context) / kv_shard(profile, s)
+    kv_tok = kv_alloc_per_token(profile, s, context)
+    kv = seqs * kv_tok * context / kv_shard(profile, s)
     dev = cluster.device
     overhead = 0.15e9 if dev.kind in (APPLE, CPU) else RUNTIME_OVERHEAD.get(s.engine, 1.0e9)
     return Memory(

@@ -8,10 +8,11 @@ from typing import Any
 from twinfer.planners.calibration import Calibration
 from twinfer.planners.cost import Strategy, prefill_time
 from twinfer.planners.explain import closest, explain, runners_up, smallest_change
-from twinfer.planners.hardware import Cluster
+from twinfer.planners.hardware import GPU, Cluster
 from twinfer.planners.memory import max_concurrency, max_context
 from twinfer.planners.model import ModelProfile
 from twinfer.planners.search import Candidate, Request, search, target_of
+from twinfer.runtime.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,22 @@ def _memory_json(c: Candidate) -> dict[str, Any]:
         "capacity_bytes": mem.capacity_bytes,
         "devices": mem.devices,
     }
+
+
+def runner_formats(backend: str, device_kind: str) -> tuple[str, str]:
+    """(weights format, KV format) that twinfer's runner for `backend` holds, as `Request` fields.
+
+    The llama.cpp runner runs the file as stored with an F16 cache unless given another `kv_type`; the
+    torch runner holds weights and KV in bfloat16 on a GPU and float32 on a CPU (runtime/load.py), as
+    does the MLX runner by default.
+    """
+    if backend == "llamacpp":
+        return "stored", "f16"
+    if backend == "torch" and device_kind == GPU:
+        return "bf16", "bf16"
+    if backend in ("torch", "mlx"):
+        return "f32", "f32"
+    raise PlanError(f"unknown backend {backend!r}: choose llamacpp, torch or mlx")
 
 
 def make_plan(model: ModelProfile, cluster: Cluster, request: Request, cal: Calibration | None = None) -> Plan:

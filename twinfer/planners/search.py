@@ -109,9 +109,12 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
                        if n != native.name and profile.weight_bytes(MIXES[n]) < limit]
 
 
-def kv_formats(engine: str, requested: str) -> list[KVFormat]:
+def kv_formats(engine: str, requested: str, device_kind: str = "") -> list[KVFormat]:
+    """KV formats the engine's runner can hold (on a CPU, the torch runner keeps KV in f32 activations)."""
     if requested not in ("auto", ""):
         return [kv_format(requested)]
+    if engine == "torch" and device_kind == CPU:
+        return [KV_FORMATS["f32"]]
     names = LLAMACPP_KV if engine == "llamacpp" else TENSOR_KV
     return [KV_FORMATS[n] for n in names]
 
@@ -157,7 +160,7 @@ def enumerate_strategies(profile: ModelProfile, cluster: Cluster, request: Reque
     prunes = PRUNE_SHARES if prune else (0.0,)
     for m in weight_mixes(profile, target, request.weights_format, requantize):
         engine = engine_for(m, cluster, target)
-        for kv in kv_formats(engine, request.kv_format):
+        for kv in kv_formats(engine, request.kv_format, cluster.device.kind):
             for tp, ep, pp, dp in layouts(profile, cluster):
                 for share in shares:
                     for p in prunes:

@@ -20,6 +20,7 @@ from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingPa
 from twinfer.runtime.engine.metrics import percentile
 from twinfer.runtime.errors import TwinferError
 from twinfer.runtime.load import OpenedModel
+from twinfer.runtime.speculative.proposer import Proposer
 
 
 def hardware_info() -> dict[str, Any]:
@@ -89,19 +90,22 @@ def run_level(engine: Engine, prompts: list[list[int]], concurrency: int, params
         "output_tokens_per_s": tokens / wall if wall else 0.0,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "speculative": engine.speculator.snapshot() if engine.speculator else None,
     }
 
 
 def run_bench(opened: OpenedModel, concurrency: list[int], prompt_tokens: int, output_tokens: int,
-              shared_prefix: int = 0, requests_per_client: int = 2, corpus: str = "prose") -> dict[str, Any]:
-    """Benchmark every concurrency level on one engine (prefix cache warm only across shared prefixes)."""
+              shared_prefix: int = 0, requests_per_client: int = 2, corpus: str = "prose",
+              proposer: Proposer | None = None, speculate: str = "off") -> dict[str, Any]:
+    """Benchmark every concurrency level on one engine (prefix cache warm only across shared prefixes);
+    `proposer` turns speculative decoding on (`speculate` names it in the report)."""
     if not concurrency or min(concurrency) < 1 or prompt_tokens < 2 or output_tokens < 1:
         raise TwinferError("need concurrency levels >= 1, --prompt-tokens >= 2 and --output-tokens >= 1")
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True,
                             guard=GuardConfig(enabled=False))
     results = []
     for c in concurrency:
-        engine = Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=c, max_batch_tokens=512))
+        engine = Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=c, max_batch_tokens=512), proposer)
         warm = bench_prompts(opened, 1, prompt_tokens, 0, corpus)
         engine.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         prompts = bench_prompts(opened, c * requests_per_client, prompt_tokens, shared_prefix, corpus)
@@ -112,6 +116,6 @@ def run_bench(opened: OpenedModel, concurrency: list[int], prompt_tokens: int, o
         "build": build_info(opened),
         "traffic": {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                     "shared_prefix": shared_prefix, "requests_per_client": requests_per_client,
-                    "corpus": corpus, "sampling": "greedy, ignore_eos"},
+                    "corpus": corpus, "sampling": "greedy, ignore_eos", "speculate": speculate},
         "results": results,
     }

@@ -25,6 +25,8 @@ from twinfer.runtime.spec import ModelSpec
 
 # Accounting granularity only: llama.cpp allocates KV per token, the engine counts blocks of this size.
 BLOCK_SIZE = 16
+# KV-cache element types (ggml_type ids) the runner accepts; the planner names formats the same way.
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 
 
 class DecodeError(RuntimeError):
@@ -66,11 +68,12 @@ def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
 
 
 def _context_params(
-    lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool
+    lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool, kv_type: str
 ) -> Any:
     params = lib.llama_context_default_params()
     fields = {name for name, _ in type(params)._fields_}
     params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+    params.type_k = params.type_v = KV_TYPES[kv_type]
     params.n_seq_max = max_seqs
     params.n_threads = params.n_threads_batch = n_threads
     params.no_perf = True
@@ -103,6 +106,10 @@ class LlamaCppRunner(Runner):
     cells lie; with 8+ rows, or next to a multi-token chunk, they may move by up to ~1 logit
     (KL ~1e-2), as does a prefill whose chunking changes. Flash attention off makes holes between a
     sequence's KV cells matter; `repack=True` (llama.cpp's default) makes a row's position mod 4 matter.
+
+    `kv_type` is the cache's element type for K and V (a plan's `kv_format`); quantized types need
+    flash attention. Sliding-window layers keep their full history (`swa_full`), so every layer
+    holds `n_ctx` cells.
     """
 
     backend = "llamacpp"
@@ -118,6 +125,7 @@ class LlamaCppRunner(Runner):
         spec: ModelSpec | None = None,
         flash_attn: bool = True,
         repack: bool = False,
+        kv_type: str = "f16",
         verbose: bool = False,
     ):
         self._closed = True  # until everything below exists, close() has nothing to free
@@ -126,6 +134,10 @@ class LlamaCppRunner(Runner):
                 f"llama.cpp runner: need n_ctx >= {BLOCK_SIZE}, n_batch >= 1, max_seqs >= 1, n_threads >= 1 "
                 f"(got n_ctx={n_ctx}, n_batch={n_batch}, max_seqs={max_seqs}, n_threads={n_threads})"
             )
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"llama.cpp runner: kv_type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        if kv_type in ("q8_0", "q4_0") and not flash_attn:
+            raise ValueError(f"llama.cpp runner: a {kv_type} KV cache needs flash_attn=True (llama.cpp's V cache)")
         lib = load_llama_cpp()
         if max_seqs > lib.llama_max_parallel_sequences():
             raise ValueError(
@@ -135,9 +147,9 @@ class LlamaCppRunner(Runner):
         self._lib = lib
         self.path = Path(path)
         self.n_threads = n_threads or default_threads()
-        self.flash_attn, self.repack = flash_attn, repack
+        self.flash_attn, self.repack, self.kv_type = flash_attn, repack, kv_type
         self._model = _load_model(lib, self.path, repack)
-        params = _context_params(lib, n_ctx, n_batch, max_seqs, self.n_threads, flash_attn)
+        params = _context_params(lib, n_ctx, n_batch, max_seqs, self.n_threads, flash_attn, kv_type)
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:
             self._free_model()
@@ -235,6 +247,7 @@ class LlamaCppRunner(Runner):
             "max_seqs": self.kv.max_seqs,
             "flash_attn": self.flash_attn,
             "repack": self.repack,
+            "kv_type": self.kv_type,
             "batch_invariant": self.flash_attn and not self.repack,
             "model_path": str(self.path),
             "model": model_desc(lib, self._model) if not self._closed else None,

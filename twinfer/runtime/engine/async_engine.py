@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from twinfer.runtime.engine.engine import Engine
@@ -56,6 +56,7 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     generated_tokens: int = 0
+    speculative: dict[str, Any] = field(default_factory=dict)  # the speculator's counters, if any
 
     @property
     def kv_usage(self) -> float:
@@ -368,6 +369,7 @@ class AsyncEngine:
             preemptions=e.scheduler.preemptions,
             steps=e.metrics.steps,
             generated_tokens=e.metrics.generated_tokens,
+            speculative=e.speculator.snapshot() if e.speculator is not None else {},
         )
 
     def describe(self) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The engine: requests -> scheduler -> step -> sampler -> guard -> stream.
 
-One `step()` is: schedule, sync the runner's KV slots, build the batch, run it, record what was
-computed, sample and finish. The engine is single-threaded; `AsyncEngine` (async_engine.py) runs it
-on a thread for the server and the TUI.
+One `step()` is: schedule, sync the runner's KV slots, draft (speculative decoding, when the engine
+has a proposer), build the batch, run it, record what was computed, sample or verify, and finish.
+The engine is single-threaded; `AsyncEngine` (async_engine.py) runs it on a thread for the server
+and the TUI.
 """
 
 from __future__ import annotations
@@ -11,21 +12,30 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
+
+import numpy as np
 
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.engine.guard import LoopGuard
 from twinfer.runtime.engine.metrics import EngineMetrics
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
-from twinfer.runtime.engine.sampler import sample
-from twinfer.runtime.engine.scheduler import Schedule, Scheduler, SchedulerConfig
+from twinfer.runtime.engine.sampler import Sampled, sample, with_logprobs
+from twinfer.runtime.engine.scheduler import Schedule, Scheduled, Scheduler, SchedulerConfig
 from twinfer.runtime.errors import RequestError
 from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.runner import Runner
+from twinfer.runtime.speculative.proposer import Draft, Proposer
+from twinfer.runtime.speculative.speculator import SpecConfig, Speculator
 from twinfer.runtime.tokenizer.detok import StreamDecoder
+
+# Batch-invariant mode on a slot runner pads a step of one token with one token of this sequence:
+# llama.cpp's CPU flash attention splits a lone query row's KV over threads once 512+ cells are in
+# view (ggml ops.cpp, `use_split_kv_path`) and sums it differently from any multi-row step.
+PAD_SEQ = -1
 
 
 @dataclass(frozen=True)
@@ -36,27 +46,38 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_context: int | None = None  # defaults to the model's window, capped by the KV capacity
     batch_invariant: bool = False  # see SchedulerConfig: exact batching on non-invariant runners
+    spec: SpecConfig = field(default_factory=SpecConfig)  # used when the engine gets a proposer
 
 
 class Engine:
-    """Owns the requests of one model. Not thread-safe: call from one thread (or use AsyncEngine)."""
+    """Owns the requests of one model. Not thread-safe: call from one thread (or use AsyncEngine).
 
-    def __init__(self, runner: Runner, tokenizer: Any = None, config: EngineConfig | None = None):
+    With a `proposer` (runtime/speculative), decoding requests verify drafted tokens each step.
+    """
+
+    def __init__(self, runner: Runner, tokenizer: Any = None, config: EngineConfig | None = None,
+                 proposer: Proposer | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         kv = runner.kv
         prefix_cache = self.config.enable_prefix_cache and not self.config.batch_invariant
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
-        max_seqs = min(self.config.max_seqs, kv.max_seqs)
+        self.pad_lone_rows = self.config.batch_invariant and not kv.paged and kv.max_seqs > 1
+        self.slots = kv.max_seqs - self.pad_lone_rows  # sequence slots for requests (slot runners)
+        max_seqs = min(self.config.max_seqs, self.slots)
         sched = SchedulerConfig(self.config.max_batch_tokens, max_seqs, self.config.max_prefill_chunk,
                                 self.config.batch_invariant)
-        self.scheduler = Scheduler(sched, self.blocks, prefix_ok=None if kv.paged else self._slot_prefix_ok)
         window = runner.spec.max_position
         self.max_context = min(self.config.max_context or window, window, kv.capacity_tokens)
+        self.speculator = None
+        if proposer is not None:
+            self.speculator = Speculator(proposer, self.config.spec, self.max_context, self.blocks)
+        self.scheduler = Scheduler(sched, self.blocks, prefix_ok=None if kv.paged else self._slot_prefix_ok,
+                                   draft_k=self.speculator.draft_k if self.speculator else None)
         self.requests: dict[str, Request] = {}
         self.retained: OrderedDict[int, None] = OrderedDict()  # finished seqs whose KV a slot runner keeps
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(speculator=self.speculator)
         self.guard = LoopGuard(self._piece)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -97,7 +118,8 @@ class Engine:
         return self._finish(request, "abort")
 
     def close(self) -> None:
-        """Abort everything and give a slot runner's kept sequences back (the runner stays usable)."""
+        """Abort everything and give a slot runner's kept sequences back (the runner and the
+        proposer stay usable: whoever made them closes them)."""
         for request_id in [r for r, req in self.requests.items() if not req.finished]:
             self.abort(request_id)
         for seq in list(self.retained):
@@ -113,19 +135,10 @@ class Engine:
         self._sync_slots(schedule)
         if not schedule.items:
             return []
-        batch = StepBatch([self._chunk(s.request, s.num_tokens) for s in schedule.items])
-        started = time.perf_counter()
-        logits = self.runner.step(batch)
-        self.metrics.on_step(batch.num_tokens, time.perf_counter() - started)
-        sampled_requests: list[Request] = []
-        for s in schedule.items:
-            request = s.request
-            request.num_computed += s.num_tokens
-            owner = None if self.runner.kv.paged else request.seq_id
-            self.blocks.mark_computed(request.seq_id, request.tokens, request.num_computed, owner)
-            if request.num_computed == request.num_tokens:
-                sampled_requests.append(request)
-        return self._sample_and_finish(sampled_requests, logits)
+        drafts = self.speculator.propose(schedule.items) if self.speculator else {}
+        batch = self._batch(schedule.items, drafts)
+        logits = self._forward(batch, schedule.items, drafts)
+        return self._sample_and_finish(schedule.items, batch, drafts, logits)
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | None = None
                  ) -> list[RequestOutput]:
@@ -147,50 +160,105 @@ class Engine:
         )
 
     # -- step internals ----------------------------------------------------------------------------
-    def _chunk(self, request: Request, n: int) -> SeqChunk:
-        start = request.num_computed
-        last = start + n == request.num_tokens
-        return SeqChunk(
-            request.seq_id, request.tokens[start : start + n], start, self.blocks.table(request.seq_id),
-            LogitsWanted.LAST if last else LogitsWanted.NONE,
-        )
+    def _batch(self, items: list[Scheduled], drafts: dict[int, Draft]) -> StepBatch:
+        batch = StepBatch([self._chunk(s, drafts.get(s.request.seq_id)) for s in items])
+        if self.pad_lone_rows and batch.num_tokens == 1:  # see PAD_SEQ
+            batch.chunks.append(SeqChunk(PAD_SEQ, [0], 0, logits=LogitsWanted.NONE))
+        return batch
 
-    def _sample_and_finish(self, requests: list[Request], logits: Any) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        results = sample(logits, [r.row for r in requests]) if requests else []
-        now = time.perf_counter()
-        for request, result in zip(requests, results, strict=True):
-            if request.timings.first_token is None:
-                request.timings.first_token = now
+    def _chunk(self, s: Scheduled, draft: Draft | None) -> SeqChunk:
+        """The step's tokens of one request; a decode with a draft asks for logits at every position."""
+        request, start = s.request, s.request.num_computed
+        tokens = request.tokens[start : start + s.num_tokens]
+        if draft is not None:
+            return SeqChunk(request.seq_id, tokens + draft.tokens, start, self.blocks.table(request.seq_id),
+                            LogitsWanted.ALL)
+        last = start + s.num_tokens == request.num_tokens
+        return SeqChunk(request.seq_id, tokens, start, self.blocks.table(request.seq_id),
+                        LogitsWanted.LAST if last else LogitsWanted.NONE)
+
+    def _forward(self, batch: StepBatch, items: list[Scheduled], drafts: dict[int, Draft]) -> np.ndarray:
+        started = time.perf_counter()
+        logits = self.runner.step(batch)
+        seconds = time.perf_counter() - started
+        if batch.chunks[-1].seq_id == PAD_SEQ:
+            self.runner.release(PAD_SEQ)  # free its cell now: the next token of the lone row takes it
+        self.metrics.on_step(batch.num_tokens, seconds)
+        if self.speculator is not None:
+            self.speculator.on_step(seconds, items, drafts)
+        return logits
+
+    def _sample_and_finish(self, items: list[Scheduled], batch: StepBatch, drafts: dict[int, Draft],
+                           logits: np.ndarray) -> list[RequestOutput]:
+        """Record the computed KV, pick each request's new tokens (verifying drafts), emit them."""
+        new: list[tuple[Request, list[Sampled]]] = []
+        plain: list[tuple[Request, int]] = []  # requests sampling one token, and their logits row
+        row = 0
+        for s, chunk in zip(items, batch.chunks[: len(items)], strict=True):  # a pad chunk comes last
+            request, draft = s.request, drafts.get(s.request.seq_id)
+            if draft is not None:
+                new.append((request, self._verify(request, draft, logits[row : row + chunk.logit_rows])))
+            else:
+                self._computed(request, s.num_tokens)
+                if request.num_computed == request.num_tokens:
+                    plain.append((request, row))
+            row += chunk.logit_rows
+        if plain:
+            results = sample(logits[[r for _, r in plain]], [request.row for request, _ in plain])
+            new += [(request, [result]) for (request, _), result in zip(plain, results, strict=True)]
+        outputs = [self._emit(request, results) for request, results in new]
+        return [out for out in outputs if out is not None]
+
+    def _verify(self, request: Request, draft: Draft, rows: np.ndarray) -> list[Sampled]:
+        """The tokens a drafted decode emits. The KV of its last token and the accepted drafts stays;
+        the rejected tail is overwritten from `num_computed` on (slot runners drop it with seq_rm)."""
+        assert self.speculator is not None
+        tokens = self.speculator.accept(request, draft, rows)
+        self._computed(request, len(tokens), tokens[:-1])
+        return [with_logprobs(t, r, request.params.logprobs) for t, r in zip(tokens, rows, strict=False)]
+
+    def _computed(self, request: Request, n: int, accepted: list[int] | None = None) -> None:
+        """n more tokens are in KV: register their full blocks (`accepted`: drafts not yet in output)."""
+        request.num_computed += n
+        owner = None if self.runner.kv.paged else request.seq_id
+        tokens = request.tokens + accepted if accepted else request.tokens
+        self.blocks.mark_computed(request.seq_id, tokens, request.num_computed, owner)
+
+    def _emit(self, request: Request, results: list[Sampled]) -> RequestOutput | None:
+        """Append the step's new tokens one at a time (each meets the stop rules and the guard)."""
+        if request.timings.first_token is None:
+            request.timings.first_token = time.perf_counter()
+        for result in results:
             request.output.append(result.token)
             request.row.output_counts[result.token] += 1
             if result.logprob is not None:
                 request.logprobs.append(TokenLogprob(result.token, result.logprob, result.top))
-            out = self._advance(request, result.token)
-            if out is not None:
-                outputs.append(out)
-        return outputs
+            reason = self._advance(request, result.token)
+            if reason == "retry":
+                return self._retry(request)
+            if reason is not None:
+                return self._finish(request, reason)
+        return self._delta(request)
 
-    def _advance(self, request: Request, token: int) -> RequestOutput | None:
-        """Apply one new token: stop conditions, the loop guard, detokenization."""
+    def _advance(self, request: Request, token: int) -> str | None:
+        """Apply one new token: stop conditions, the loop guard, detokenization. Returns why the
+        request ends ("stop", "loop", "length"), "retry" for a guard retry, or None to go on."""
         p = request.params
         self.metrics.generated_tokens += 1
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             request.output.pop()  # stop tokens are not part of the text
-            return self._finish(request, "stop")
+            return "stop"
         if self.guard.check(request.output, p.guard):
             self.guard.trips += 1
             self.metrics.guard_trips += 1
-            if request.retries < p.guard.retries:
-                return self._retry(request)
-            return self._finish(request, "loop")
+            return "retry" if request.retries < p.guard.retries else "loop"
         if request.decoder is not None:
             request.text += request.decoder.push(token)
             if p.stop and self._cut_stop_string(request):
-                return self._finish(request, "stop")
+                return "stop"
         if len(request.output) >= p.max_tokens or request.num_tokens >= self.max_context:
-            return self._finish(request, "length")
-        return self._delta(request)
+            return "length"
+        return None
 
     def _cut_stop_string(self, request: Request) -> bool:
         text = request.text
@@ -244,6 +312,8 @@ class Engine:
         request.timings.finished = time.perf_counter()
         table = list(self.blocks.seqs[request.seq_id].table) if request.seq_id in self.blocks.seqs else []
         self.scheduler.remove(request)
+        if self.speculator is not None:
+            self.speculator.release(request.seq_id)
         if not self.runner.kv.paged:
             self._retain_or_release(request.seq_id, table)
         self.metrics.on_finish(request)
@@ -256,7 +326,7 @@ class Engine:
         while block_ids and self.blocks.owner_of(block_ids[-1]) is None:
             block_ids = block_ids[:-1]
         owner = self.blocks.owner_of(block_ids[-1]) if block_ids else None
-        if owner in self.retained and len(self.scheduler.running) + 2 > self.runner.kv.max_seqs:
+        if owner in self.retained and len(self.scheduler.running) + 2 > self.slots:
             return 0
         return len(block_ids)
 
@@ -283,7 +353,7 @@ class Engine:
 
     def _trim_retained(self, keep: set[int]) -> None:
         """Drop the oldest kept sequences (not in `keep`) until running + kept fit the slots."""
-        over = len(self.scheduler.running) + len(self.retained) - self.runner.kv.max_seqs
+        over = len(self.scheduler.running) + len(self.retained) - self.slots
         for seq in list(self.retained):
             if over <= 0:
                 break

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinfer.runtime.engine.request import Request
+
+if TYPE_CHECKING:
+    from twinfer.runtime.speculative.speculator import Speculator
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -36,6 +39,7 @@ class EngineMetrics:
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
     tpot: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
     queue: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
+    speculator: Speculator | None = None  # its counters join the snapshot
 
     def on_arrival(self) -> None:
         self.arrived += 1
@@ -68,4 +72,5 @@ class EngineMetrics:
             "preemptions": self.preemptions,
             "ttft_p50_s": percentile(list(self.ttft), 50),
             "tpot_p50_s": percentile(list(self.tpot), 50),
+            "speculative": self.speculator.snapshot() if self.speculator is not None else None,
         }

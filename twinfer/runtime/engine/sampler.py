@@ -54,12 +54,16 @@ def apply_penalties(logits: np.ndarray, row: RowState) -> np.ndarray:
     return out
 
 
-def sample_row(logits: np.ndarray, row: RowState) -> int:
-    """One token from one row of (penalized) logits, using the row's own generator."""
+def is_greedy(row: RowState) -> bool:
+    """Whether the row picks the most likely token (temperature below 1e-5)."""
+    return (row.params.temperature if row.temperature is None else row.temperature) < 1e-5
+
+
+def filtered(logits: np.ndarray, row: RowState) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution a sampled row draws from: candidate ids (most likely first) and their
+    probabilities after temperature, top-k, min-p and top-p. `logits` are already penalized."""
     p = row.params
     temperature = p.temperature if row.temperature is None else row.temperature
-    if temperature < 1e-5:  # dividing by a vanishing temperature overflows; it is greedy anyway
-        return int(np.argmax(logits))
     if 0 < p.top_k < logits.shape[0]:
         cand = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
     else:
@@ -74,9 +78,33 @@ def sample_row(logits: np.ndarray, row: RowState) -> int:
         keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
     if p.top_p < 1.0:
         keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
-    probs = probs[:keep] / probs[:keep].sum()
-    index = int(np.searchsorted(np.cumsum(probs), row.rng.random(), side="right"))
-    return int(cand[min(index, keep - 1)])
+    return cand[:keep], probs[:keep] / probs[:keep].sum()
+
+
+def draw(cand: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One id from a candidate distribution, with one uniform from `rng`."""
+    index = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
+    return int(cand[min(index, len(cand) - 1)])
+
+
+def sample_row(logits: np.ndarray, row: RowState) -> int:
+    """One token from one row of (penalized) logits, using the row's own generator."""
+    if is_greedy(row):  # dividing by a vanishing temperature overflows; it is greedy anyway
+        return int(np.argmax(logits))
+    return draw(*filtered(logits, row), row.rng)
+
+
+def with_logprobs(token: int, logits: np.ndarray, top: int | None) -> Sampled:
+    """`token` with its logprob under the raw model distribution and the `top` most likely ids."""
+    result = Sampled(token)
+    if top is not None:
+        lp = log_softmax(logits)
+        result.logprob = float(lp[token])
+        if top:
+            best = np.argpartition(-lp, top - 1)[:top]
+            best = best[np.argsort(-lp[best], kind="stable")]
+            result.top = [(int(t), float(lp[t])) for t in best]
+    return result
 
 
 def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
@@ -84,17 +112,7 @@ def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
     out: list[Sampled] = []
     greedy_ids = np.argmax(logits, axis=-1)
     for i, row in enumerate(rows):
-        p = row.params
-        greedy = (p.temperature if row.temperature is None else row.temperature) < 1e-5
-        simple = greedy and not p.penalized
+        simple = is_greedy(row) and not row.params.penalized
         token = int(greedy_ids[i]) if simple else sample_row(apply_penalties(logits[i], row), row)
-        result = Sampled(token)
-        if p.logprobs is not None:
-            lp = log_softmax(logits[i])
-            result.logprob = float(lp[token])
-            if p.logprobs:
-                top = np.argpartition(-lp, p.logprobs - 1)[: p.logprobs]
-                top = top[np.argsort(-lp[top], kind="stable")]
-                result.top = [(int(t), float(lp[t])) for t in top]
-        out.append(result)
+        out.append(with_logprobs(token, logits[i], row.params.logprobs))
     return out

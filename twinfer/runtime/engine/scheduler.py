@@ -4,12 +4,15 @@ Every step has a token budget. Running requests go first (a decode costs one tok
 prefill continues in chunks), then waiting requests are admitted while the budget, the sequence
 limit and the free KV blocks allow, reusing cached prefix blocks. When a running request cannot get
 the block it needs, the least important running request is preempted: its blocks are freed and it
-goes back to the front of the queue to be recomputed later. Nothing here touches a device.
+goes back to the front of the queue to be recomputed later. With speculative decoding, a decode may
+also verify drafted tokens: it gets room for them from what is left of the budget and the free
+blocks, never by preempting anyone. Nothing here touches a device.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from twinfer.runtime.engine.request import Request, Status
@@ -23,7 +26,10 @@ class SchedulerConfig:
     max_prefill_chunk: int = 512  # longest piece of one prompt computed in one step
     # Batch-invariant mode, for runners whose numerics depend on the rows in a call (llama.cpp on
     # CPU): each prompt chunk runs alone at fixed boundaries, decode steps hold at most
-    # `invariant_rows` rows, and a resumed request replays its output one token per step.
+    # `invariant_rows` rows, and a resumed request replays its output one token per step. Drafts
+    # are verified only while one request runs: rolling back a rejected draft frees KV cells that
+    # another sequence's next token may take, leaving the cells out of position order, and
+    # llama.cpp's attention sums a sequence's cells in cell order.
     batch_invariant: bool = False
     invariant_rows: int = 7
 
@@ -38,6 +44,7 @@ class Scheduled:
     num_tokens: int
     admitted: bool = False  # first step of this request's (re)computation
     prefix_blocks: int = 0  # cached blocks it starts from (admitted requests only)
+    draft_room: int = 0  # drafted tokens this decode may verify after its token (speculative decoding)
 
 
 @dataclass
@@ -49,13 +56,15 @@ class Schedule:
 class Scheduler:
     """Owns the waiting and running queues. Called by the engine once per step."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix_ok=None):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix_ok=None,
+                 draft_k: Callable[[Request], int] | None = None):
         self.config = config
         self.blocks = blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         # prefix_ok(block_ids) -> how many of the matched blocks the runner can reuse
         self.prefix_ok = prefix_ok or (lambda block_ids: len(block_ids))
+        self.draft_k = draft_k  # draft_k(request) -> draft tokens its next decode would verify
         self.preemptions = 0
         self._turn = 0  # rotation of decode rows in batch-invariant mode
 
@@ -91,6 +100,7 @@ class Scheduler:
                 continue
             out.items.append(Scheduled(request, n))
             budget -= n
+        budget = self._draft_room(out.items, budget)
         if not out.preempted:
             budget = self._admit(budget, out)
         return out
@@ -128,6 +138,8 @@ class Scheduler:
             if request in self.running and self._grow(request, 1, out):
                 out.items.append(Scheduled(request, 1))
         self._turn += rows
+        if len(self.running) == 1:  # see SchedulerConfig: a lone stream may verify drafts
+            self._draft_room(out.items, rows - len(out.items))
         return out
 
     def _start(self, request: Request) -> None:
@@ -137,6 +149,25 @@ class Scheduler:
         if request.timings.scheduled is None:
             request.timings.scheduled = time.perf_counter()
         self.running.append(request)
+
+    def _draft_room(self, items: list[Scheduled], budget: int) -> int:
+        """Give decodes room to verify drafts, within `budget` tokens and the free blocks."""
+        for s in items:
+            request = s.request
+            if self.draft_k is None or budget <= 0:
+                break
+            if s.num_tokens != 1 or request.num_computed + 1 != request.num_tokens:
+                continue  # not a decode: a prompt chunk, or a resumed request replaying its output
+            k = min(self.draft_k(request), budget)
+            if k <= 0:
+                continue
+            try:
+                self.blocks.allocate(request.seq_id, [], request.num_tokens + k, request.tokens)
+            except OutOfBlocks:
+                continue
+            s.draft_room = k
+            budget -= k
+        return budget
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed

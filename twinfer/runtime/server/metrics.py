@@ -1,13 +1,14 @@
 """Prometheus metrics of one server, in a registry of its own (two apps in one process never share).
 
 Per-request numbers (status, finish reason, TTFT, TPOT, tokens) are recorded by the request
-handlers; engine state (queue, running, KV blocks, prefix hits, guard trips) is read from the
-engine thread's latest `EngineStats` snapshot at scrape time.
+handlers; engine state (queue, running, KV blocks, prefix hits, guard trips, speculative decoding)
+is read from the engine thread's latest `EngineStats` snapshot at scrape time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -44,6 +45,31 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("twinfer_guard_trips", "times the token-loop guard cut a generation", value=s.guard_trips)
         yield CounterMetricFamily("twinfer_preemptions", "requests preempted for KV memory", value=s.preemptions)
         yield CounterMetricFamily("twinfer_engine_steps", "engine steps run", value=s.steps)
+        yield from _speculative(s.speculative)
+
+
+def _speculative(spec: dict[str, Any]) -> Iterator[Metric]:
+    """Speculative decoding counters, labelled by proposer (nothing when speculation is off)."""
+    if not spec:
+        return
+    counters = [
+        ("twinfer_spec_proposed_tokens", "draft tokens verified by the target model", "proposed"),
+        ("twinfer_spec_accepted_tokens", "draft tokens the target model kept", "accepted"),
+        ("twinfer_spec_verifications", "decode steps that verified a draft", "verifications"),
+    ]
+    for name, doc, key in counters:
+        family = CounterMetricFamily(name, doc, labels=["proposer"])
+        family.add_metric([spec["proposer"]], spec[key])
+        yield family
+    gauges = [
+        ("twinfer_spec_acceptance_rate", "accepted / proposed draft tokens", "acceptance_rate"),
+        ("twinfer_spec_speedup_estimate", "decode tokens per unit time vs no speculation (cost model)",
+         "speedup_estimate"),
+    ]
+    for name, doc, key in gauges:
+        gauge = GaugeMetricFamily(name, doc, labels=["proposer"])
+        gauge.add_metric([spec["proposer"]], spec[key])
+        yield gauge
 
 
 class ServerMetrics:
