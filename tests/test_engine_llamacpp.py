@@ -3,8 +3,9 @@
 llama.cpp's CPU kernels are not batch-invariant (a row's logits depend on the rows sharing its
 llama_decode call; its own `Llama` differs between n_batch 1 and 512), so exact equality with a
 request run alone is asserted in the engine's batch-invariant mode: prompt chunks run alone at fixed
-boundaries and decode steps hold at most 7 rows. The default mode is checked for block accounting,
-prefix reuse and completion.
+boundaries, decode steps hold 2 to 7 rows, and (for arrivals at any time) each sequence has its own
+KV stream (`unified_kv=False`), so its cells lie where they would alone. The default mode is checked
+for block accounting, prefix reuse and completion.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from twinfer.runtime.batch import SeqChunk, StepBatch
 from twinfer.runtime.corpus import corpus_prompts
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
 from twinfer.runtime.load import open_model
@@ -25,12 +27,12 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, guard=GuardConfig(enabled
 
 
 @cache
-def _opened(ctx: int, seqs: int):  # noqa: ANN202
-    return open_model(None, "llamacpp", max_seqs=seqs, ctx=ctx, threads=2)
+def _opened(ctx: int, seqs: int, unified: bool = True):  # noqa: ANN202
+    return open_model(None, "llamacpp", max_seqs=seqs, ctx=ctx, threads=2, runner_options={"unified_kv": unified})
 
 
-def engine(ctx: int = 1024, seqs: int = 8, **config: int | bool) -> Engine:
-    opened = _opened(ctx, seqs)
+def engine(ctx: int = 1024, seqs: int = 8, unified: bool = True, **config: int | bool) -> Engine:
+    opened = _opened(ctx, seqs, unified)
     for _ in range(10_000):  # a fresh engine: drop whatever an earlier one left in the slots
         if not opened.runner._slots:  # noqa: SLF001
             break
@@ -54,8 +56,8 @@ def alone(i: int) -> tuple[int, ...]:
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 1000))
 def test_invariant_mode_batch_equals_alone(seed: int) -> None:
-    """Any subset, order and batch width: equal to alone. (Requests arriving while others decode can
-    still differ: llama.cpp's output then depends on how its KV cells interleave; see the note.)"""
+    """Any subset, order and batch width: equal to alone. (Over a unified cache, requests arriving
+    while others decode can still differ -- their cells interleave -- hence per-sequence streams below.)"""
     rng = random.Random(seed)
     order = rng.sample(range(len(prompts())), rng.randrange(2, 8))
     e = engine(ctx=CTX, seqs=8, batch_invariant=True, max_prefill_chunk=32)
@@ -67,6 +69,46 @@ def test_invariant_mode_batch_equals_alone(seed: int) -> None:
         assert e.requests[rid].finish_reason == "length"
         assert tuple(e.requests[rid].output) == alone(i), f"prompt {i} differs"
     assert e.blocks.num_used == 0
+
+
+@cache
+def alone_in_stream(i: int) -> tuple[int, ...]:
+    e = engine(ctx=256, seqs=8, unified=False, batch_invariant=True, max_prefill_chunk=32)
+    return tuple(e.generate([prompts()[i]], GREEDY_24)[0].token_ids)
+
+
+GREEDY_24 = SamplingParams(max_tokens=24, temperature=0.0, guard=GuardConfig(enabled=False), ignore_eos=True)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 1000))
+def test_invariant_mode_random_arrivals_equal_alone(seed: int) -> None:
+    """Requests arriving while others decode, over per-sequence KV streams: each equals itself alone."""
+    rng = random.Random(seed)
+    pending = rng.sample(range(len(prompts())), 6)
+    e = engine(ctx=256, seqs=8, unified=False, batch_invariant=True, max_prefill_chunk=32)
+    assert e.max_context == 256 and e.blocks.enable_prefix_cache is False
+    ids, steps = {}, 0
+    while pending or e.has_work:
+        if pending and (not e.has_work or rng.random() < 0.2):
+            i = pending.pop(0)
+            ids[e.add_request(prompts()[i], GREEDY_24)] = i
+        e.step()
+        e.blocks.check()
+        steps += 1
+    assert steps > 24  # arrivals really did interleave with decoding
+    for rid, i in ids.items():
+        assert tuple(e.requests[rid].output) == alone_in_stream(i), f"prompt {i} differs"
+    assert e.blocks.num_used == 0
+
+
+def test_per_sequence_streams_refuse_to_share_cells() -> None:
+    runner = _opened(256, 8, False).runner
+    assert runner.kv.max_seq_tokens == 256 and runner.describe()["unified_kv"] is False
+    runner.step(StepBatch([SeqChunk(900, prompts()[0][:20], 0)]))
+    with pytest.raises(ValueError, match="cannot share cells"):
+        runner.copy_prefix(900, 901, 16)
+    runner.release(900)
 
 
 def test_default_mode_random_arrivals_tiny_pool_finish_without_leaks() -> None:

@@ -79,8 +79,13 @@ def choose_backend(backend: str, path: Path) -> str:
 
 
 def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, ctx: int = 4096,
-               threads: int | None = None, dtype: str | None = None, device: str | None = None) -> OpenedModel:
-    """Load `model` (None: the default) on `backend` with room for `ctx` KV tokens over `max_seqs` sequences."""
+               threads: int | None = None, dtype: str | None = None, device: str | None = None,
+               runner_options: dict[str, Any] | None = None,
+               parallel: tuple[int, int, int] | None = None) -> OpenedModel:
+    """Load `model` (None: the default) on `backend` with room for `ctx` KV tokens over `max_seqs` sequences.
+
+    `runner_options` go to the llama.cpp runner's constructor (e.g. `kv_type`, `unified_kv`).
+    `parallel` = (tp, ep, pp) spreads a torch model over that many processes (backends/cuda/parallel)."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
     path = resolve_path(model)
@@ -89,7 +94,15 @@ def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, 
         from twinfer.backends.llamacpp.runner import LlamaCppRunner
 
         loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk
-        runner: Runner = LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec)
+        runner: Runner = LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec,
+                                        **(runner_options or {}))
+    elif parallel is not None and parallel != (1, 1, 1):
+        if backend != "torch":
+            raise BackendUnavailable(f"--tp/--ep/--pp run on the torch backend, not {backend}: add --backend torch")
+        from twinfer.backends.cuda.parallel.runner import open_parallel
+
+        loaded = load_model(path)
+        runner = open_parallel(path, loaded.spec, parallel, ctx=ctx, threads=threads, dtype=dtype, device=device)
     else:
         loaded = load_model(path)
         runner = _ops_runner(backend, loaded, ctx, threads, dtype, device)

@@ -24,17 +24,25 @@ class KVLayout:
 
     Paged runners hold `num_blocks` blocks of `block_size` positions each and read the chunks'
     block tables. Sequence-slot runners (llama.cpp) keep KV per `seq_id` below `max_seqs`, with at
-    most `num_blocks * block_size` cells in total; they ignore block tables.
+    most `num_blocks * block_size` cells in total; they ignore block tables. `seq_tokens` caps one
+    sequence when the runner gives each sequence its own cells (llama.cpp without a unified cache);
+    such runners cannot share cells between sequences, so the engine turns prefix reuse off.
     """
 
     block_size: int
     num_blocks: int
     paged: bool = True
     max_seqs: int = 1 << 30
+    seq_tokens: int | None = None
 
     @property
     def capacity_tokens(self) -> int:
         return self.block_size * self.num_blocks
+
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most positions one sequence may hold."""
+        return self.capacity_tokens if self.seq_tokens is None else min(self.seq_tokens, self.capacity_tokens)
 
 
 class Runner(ABC):

@@ -2,12 +2,13 @@
 
 llama.cpp runs the forward pass; the twinfer engine keeps scheduling, sampling and prefix reuse. The
 KV cache is llama.cpp's unified one: `n_ctx` cells shared by up to `max_seqs` sequences, addressed by
-llama seq ids in [0, max_seqs) that this runner maps from the engine's sequence ids.
+llama seq ids in [0, max_seqs) that this runner maps from the engine's sequence ids. With
+`unified_kv=False` every sequence gets its own stream of `n_ctx` cells instead (batch-invariant
+serving: a sequence's cells then lie exactly where they would if it ran alone).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -68,7 +69,8 @@ def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
 
 
 def _context_params(
-    lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool, kv_type: str
+    lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool, kv_type: str,
+    unified_kv: bool = True,
 ) -> Any:
     params = lib.llama_context_default_params()
     fields = {name for name, _ in type(params)._fields_}
@@ -78,7 +80,9 @@ def _context_params(
     params.n_threads = params.n_threads_batch = n_threads
     params.no_perf = True
     if "kv_unified" in fields:
-        params.kv_unified = True  # any sequence may use every cell, not n_ctx / n_seq_max of them
+        params.kv_unified = unified_kv  # True: any sequence may use every cell, not n_ctx / n_seq_max of them
+    elif not unified_kv:
+        raise ValueError("llama.cpp runner: this llama.cpp has no per-sequence KV streams (kv_unified)")
     if "swa_full" in fields:
         params.swa_full = True  # keep sliding-window layers' full history so rollback and seq_cp stay exact
     if "flash_attn_type" in fields:
@@ -126,6 +130,7 @@ class LlamaCppRunner(Runner):
         flash_attn: bool = True,
         repack: bool = False,
         kv_type: str = "f16",
+        unified_kv: bool = True,
         verbose: bool = False,
     ):
         self._closed = True  # until everything below exists, close() has nothing to free
@@ -149,7 +154,9 @@ class LlamaCppRunner(Runner):
         self.n_threads = n_threads or default_threads()
         self.flash_attn, self.repack, self.kv_type = flash_attn, repack, kv_type
         self._model = _load_model(lib, self.path, repack)
-        params = _context_params(lib, n_ctx, n_batch, max_seqs, self.n_threads, flash_attn, kv_type)
+        self.unified_kv = unified_kv
+        total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
+        params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv)
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:
             self._free_model()
@@ -169,8 +176,10 @@ class LlamaCppRunner(Runner):
         self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
         self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
         # llama.cpp rounds the cache up (to a multiple of 256 cells): report the real capacity
+        seq_tokens = None if unified_kv else self.n_ctx // max_seqs
         self.kv = KVLayout(
-            block_size=BLOCK_SIZE, num_blocks=self.n_ctx // BLOCK_SIZE, paged=False, max_seqs=max_seqs
+            block_size=BLOCK_SIZE, num_blocks=self.n_ctx // BLOCK_SIZE, paged=False, max_seqs=max_seqs,
+            seq_tokens=seq_tokens,
         )
         self._slots: dict[int, int] = {}  # engine seq id -> llama seq id
         self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest id
@@ -224,6 +233,8 @@ class LlamaCppRunner(Runner):
         if src_seq == dst_seq:
             self._mem.seq_rm(src, num_tokens, -1)
             return
+        if not self.unified_kv:
+            raise ValueError("copy_prefix: per-sequence KV streams (unified_kv=False) cannot share cells")
         dst = self._slot_for(dst_seq)
         self._mem.seq_rm(dst, -1, -1)
         if num_tokens:
@@ -248,6 +259,7 @@ class LlamaCppRunner(Runner):
             "flash_attn": self.flash_attn,
             "repack": self.repack,
             "kv_type": self.kv_type,
+            "unified_kv": self.unified_kv,
             "batch_invariant": self.flash_attn and not self.repack,
             "model_path": str(self.path),
             "model": model_desc(lib, self._model) if not self._closed else None,
@@ -268,8 +280,10 @@ class LlamaCppRunner(Runner):
         self._free_model()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown may have torn down ctypes already
+        try:  # noqa: SIM105 - contextlib itself may be torn down at interpreter exit
             self.close()
+        except Exception:  # noqa: BLE001, S110 - and so may ctypes
+            pass
 
     def __enter__(self) -> LlamaCppRunner:
         return self

@@ -61,7 +61,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         kv = runner.kv
-        prefix_cache = self.config.enable_prefix_cache and not self.config.batch_invariant
+        shared_cells = kv.seq_tokens is None  # per-sequence KV streams cannot share a prefix
+        prefix_cache = self.config.enable_prefix_cache and not self.config.batch_invariant and shared_cells
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
         self.pad_lone_rows = self.config.batch_invariant and not kv.paged and kv.max_seqs > 1
         self.slots = kv.max_seqs - self.pad_lone_rows  # sequence slots for requests (slot runners)
@@ -69,7 +70,7 @@ class Engine:
         sched = SchedulerConfig(self.config.max_batch_tokens, max_seqs, self.config.max_prefill_chunk,
                                 self.config.batch_invariant)
         window = runner.spec.max_position
-        self.max_context = min(self.config.max_context or window, window, kv.capacity_tokens)
+        self.max_context = min(self.config.max_context or window, window, kv.max_seq_tokens)
         self.speculator = None
         if proposer is not None:
             self.speculator = Speculator(proposer, self.config.spec, self.max_context, self.blocks)

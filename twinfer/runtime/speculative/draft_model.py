@@ -81,7 +81,7 @@ class DraftModelProposer(Proposer):
         if held is None and len(self.held) >= self.runner.kv.max_seqs:
             return None
         end = len(q.tokens) + q.k - 1
-        if end > min(self.runner.spec.max_position, self.runner.kv.capacity_tokens):
+        if end > min(self.runner.spec.max_position, self.runner.kv.max_seq_tokens):
             return None
         try:
             self.blocks.allocate(q.seq_id, [], end, q.tokens)
