@@ -49,7 +49,17 @@ def load_average() -> float:
 
 
 def pytest_running() -> list[str]:
-    return subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, text=True).stdout.split()
+    """Python processes running pytest (not shells whose command line merely mentions it)."""
+    pids = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, text=True).stdout.split()
+    running = []
+    for pid in pids:
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if b"python" in Path(argv0.decode(errors="replace")).name.encode():
+            running.append(pid)
+    return running
 
 
 def busy_cpu_s() -> float:

@@ -50,9 +50,11 @@ DEFAULTS: dict[str, Efficiency] = {
     "mlx/apple": Efficiency(bandwidth=0.90, tensor=0.65, layer_cycles=211e3, moe_layer_factor=1.0),
     # CPU: bandwidth relative to the *measured* read bandwidth (twinfer hw --measure); cycles are CPU
     # cycles per layer for thread synchronisation. Calibrate with `twinfer bench` on the machine.
-    "llamacpp/cpu": Efficiency(bandwidth=0.9, tensor=0.5, vector=0.35, overlap_loss=0.5, layer_cycles=30e3,
+    # bandwidth and tensor fitted by `python bench/bench_planner.py --fit bandwidth,tensor` on the
+    # 2-core EPYC of docs/planner-accuracy.md ("This machine"), the rest set by hand.
+    "llamacpp/cpu": Efficiency(bandwidth=0.7, tensor=0.874, vector=0.35, overlap_loss=0.5, layer_cycles=30e3,
                                moe_layer_factor=1.5, step_s=0.4e-3),
-    "torch/cpu": Efficiency(bandwidth=0.6, tensor=0.3, vector=0.2, overlap_loss=0.5, layer_cycles=400e3,
+    "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, overlap_loss=0.5, layer_cycles=400e3,
                             moe_layer_factor=2.0, step_s=2e-3),
     # vLLM/SGLang-class serving (CUDA graphs, fused MoE): Llama-3.1-8B BF16 on A100 and H100 fit
     # bandwidth 0.86 and ~56k cycles/layer. twinfer's CUDA backend is planned against the same
