@@ -106,9 +106,10 @@ def _read_lines(stream: Any, out: queue.Queue[str]) -> None:
 
 
 def test_cli_serve_sigterm_drains(tmp_path: Any) -> None:
+    """`twinfer serve` (here in --batch-invariant mode: per-sequence KV streams) drains on SIGTERM."""
     env = {**os.environ, "TWINFER_API_KEY": "k3y"}
     cmd = [sys.executable, "-m", "twinfer.cli.main", "serve", "--port", "0", "--max-seqs", "2", "--ctx", "512",
-           "--threads", str(THREADS), "--log-level", "warning", "--drain-timeout", "60"]
+           "--threads", str(THREADS), "--log-level", "warning", "--drain-timeout", "60", "--batch-invariant"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()

@@ -269,7 +269,6 @@ def test_space_prefix_spm_matches_llama_cpp(spm_prefix_gguf: Path, llama_cpp, tm
 # --- loading and the conversion cache -----------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_cache_cold_then_warm(gemma_path: Path, gemma: Tokenizer, tmp_path: Path, monkeypatch) -> None:
     t0 = time.perf_counter()
     cold = Tokenizer.from_gguf(gemma_path, cache_dir=tmp_path)

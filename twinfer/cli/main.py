@@ -37,6 +37,19 @@ SpeculateOpt = Annotated[
 ]
 
 
+MemoryBudgetOpt = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option("--memory-budget", help="Fit the model into this much memory (12GB, 800MiB or bytes): the planner "
+                 "picks weight format, KV type and expert streaming, and says what it chose."),
+]
+AllowPruningOpt = Annotated[
+    bool, typer.Option("--allow-pruning", help="Let --memory-budget remove layers when nothing else fits (lossy).")
+]
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (torch backend; one process each).")]
+EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel groups for MoE models (torch backend).")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline stages (torch backend; contiguous layers each).")]
+
+
 @app.command()
 def generate(
     model_or_prompt: Annotated[str, typer.Argument(metavar="[MODEL] PROMPT", help="Optional model, then the prompt.")],
@@ -53,20 +66,26 @@ def generate(
     ] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
     speculate: SpeculateOpt = "off",
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    pp: PpOpt = 1,
+    memory_budget: MemoryBudgetOpt = None,
+    allow_pruning: AllowPruningOpt = False,
 ) -> None:
     """Stream a completion of PROMPT to stdout."""
     from twinfer.cli.generate_cmd import run_generate
 
     model = model_or_prompt if prompt is not None else None
     text = prompt if prompt is not None else model_or_prompt
-    run_generate(model, text, max_tokens, temperature, top_p, top_k, seed, backend, chat, threads, speculate)
+    run_generate(model, text, max_tokens, temperature, top_p, top_k, seed, backend, chat, threads, speculate,
+                 parallel=(tp, ep, pp), budget=(memory_budget, allow_pruning))
 
 
 @eval_app.command("kl")
 def eval_kl(
     model: ModelArg = None,
     reference: Annotated[str, typer.Option("--reference", help="SPEC: llamacpp, torch, mlx, transformers or a model path.")] = "transformers",
-    candidate: Annotated[str, typer.Option("--candidate", help="SPEC: llamacpp, torch, mlx, transformers or a model path.")] = "torch",
+    candidate: Annotated[str, typer.Option("--candidate", help="SPEC: llamacpp, torch, mlx, transformers or a model path; a backend may take options: torch:kv=tq4, torch:weights=int4, mlx:kv=tq2.5, llamacpp:kv=q4_0.")] = "torch",
     corpus: Annotated[str, typer.Option("--corpus", help="prose, code, or a text file path.")] = "prose",
     tokens: Annotated[int, typer.Option("--tokens", help="Tokens of the corpus to score.")] = 512,
     window: Annotated[int, typer.Option("--window", help="Teacher-forced window length.")] = 256,
@@ -127,11 +146,14 @@ def chat(
         "--data-dir", envvar="TWINFER_DATA_DIR", show_envvar=True,
         help="Where conversations are saved, under conversations/ (default: the user data dir, e.g. "
              "~/.local/share/twinfer).")] = None,
+    memory_budget: MemoryBudgetOpt = None,
+    allow_pruning: AllowPruningOpt = False,
 ) -> None:
     """Chat with a model in a terminal UI (Esc stops a reply, Ctrl+R regenerates, Ctrl+S settings, Ctrl+Q quits)."""
     from twinfer.cli.chat_cmd import run_chat
 
-    run_chat(model, backend, system, temperature, top_p, max_tokens, seed, ctx, threads, template, resume, data_dir)
+    run_chat(model, backend, system, temperature, top_p, max_tokens, seed, ctx, threads, template, resume, data_dir,
+             budget=(memory_budget, allow_pruning))
 
 
 @app.command()
@@ -157,12 +179,40 @@ def serve(
                                              help="Cut generations that repeat a token 4+ times (finish_reason 'loop').")] = True,
     guard_retries: Annotated[int, typer.Option("--guard-retries", help="Retry a looping request with a fresh seed this many times.")] = 0,
     speculate: SpeculateOpt = "off",
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    pp: PpOpt = 1,
+    memory_budget: MemoryBudgetOpt = None,
+    allow_pruning: AllowPruningOpt = False,
+    batch_invariant: Annotated[bool, typer.Option(
+        "--batch-invariant", help="llama.cpp: every request's greedy output equals its output alone, whatever else "
+        "runs (one KV stream of --ctx tokens per sequence, decode steps of 2-7 rows; slower).")] = False,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.cli.serve_cmd import run_serve
 
     run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
-              drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate)
+              drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
+              budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant)
+
+@app.command()
+def prune(
+    model: ModelArg = None,
+    out: Annotated[str, typer.Option("--out", help="Folder for the pruned model (or a .gguf file path).")] = "pruned",
+    layers: Annotated[int, typer.Option("--layers", help="Transformer blocks to remove (least block influence first).")] = 0,
+    experts: Annotated[int, typer.Option("--experts", help="Routed experts to remove per MoE layer (least routing mass).")] = 0,
+    corpus: Annotated[str, typer.Option("--corpus", help="Where influence is measured: prose, code or a text file.")] = "prose",
+    tokens: Annotated[int, typer.Option("--tokens", help="Corpus tokens to measure influence on.")] = 512,
+    window: Annotated[int, typer.Option("--window", help="Teacher-forced window length.")] = 256,
+    backend: Annotated[str, typer.Option("--backend", help="torch or mlx: the backend that measures influence.")] = "torch",
+    kl_tokens: Annotated[int, typer.Option("--kl-tokens", help="Tokens for KL(original || pruned); 0 skips it.")] = 512,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Remove the least influential layers (block influence) and experts, write the model, report its KL."""
+    from twinfer.cli.prune_cmd import run_prune
+
+    run_prune(model, out, layers, experts, corpus, tokens, window, backend, kl_tokens, json_out)
+
 
 HardwareOpt = Annotated[
     str,
@@ -213,6 +263,26 @@ def hw(
     from twinfer.cli.hw_cmd import run_hw
 
     run_hw(list_table, json_out, measure, hardware)
+
+
+@app.command()
+def quantize(
+    model: ModelArg = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Folder to write (safetensors + config + tokenizer).")] = None,  # noqa: UP045
+    budget: Annotated[Optional[float], typer.Option("--budget", help="Average bits per weight over the layer projections.")] = None,  # noqa: UP045
+    formats: Annotated[str, typer.Option("--formats", help="Candidate weight formats, comma-separated.")] = "tq2,tq2.5,tq3,tq3.5,tq4,int4,int8",
+    search: Annotated[bool, typer.Option("--search/--uniform", help="Measure per-group sensitivities and search "
+                                         "format combinations (else: the best single format that fits).")] = False,
+    tokens: Annotated[int, typer.Option("--tokens", help="Corpus tokens the KL is measured on.")] = 256,
+    corpus: Annotated[str, typer.Option("--corpus", help="prose, code, or a text file path.")] = "prose",
+    granularity: Annotated[str, typer.Option("--granularity", help="Search groups: block (a layer's attn / mlp), layer or tensor.")] = "block",
+    verify: Annotated[bool, typer.Option("--verify", help="MODEL is a quantized folder: re-check its KL window and warn on regression.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Quantize MODEL's weights to a bit budget, choosing formats by measured KL; write a loadable folder."""
+    from twinfer.cli.quantize_cmd import run_quantize
+
+    run_quantize(model, out, budget, formats, search, tokens, corpus, granularity, verify, json_out)
 
 
 def main() -> None:

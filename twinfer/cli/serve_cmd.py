@@ -20,13 +20,20 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def run_serve(model: str | None, host: str, port: int, api_key: str | None, backend: str, max_seqs: int,
               ctx: int, threads: int | None, max_queue: int, served_model_name: str | None,
               drain_timeout: float, max_body_mb: float, log_level: str, loop_guard: bool = True,
-              guard_retries: int = 0, speculate: str = "off") -> None:
+              guard_retries: int = 0, speculate: str = "off",
+              parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
+              batch_invariant: bool = False) -> None:
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
     from twinfer.runtime.server.serve import make_server
     from twinfer.runtime.speculative.options import parse_speculate
 
     parse_speculate(speculate)  # a typo fails before the port is bound
+    if parallel != (1, 1, 1) and int(os.environ.get("RANK", "0")) > 0:  # a torchrun worker: no HTTP server
+        from twinfer.runtime.load import open_model
+
+        open_model(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, parallel=parallel)
+        return
     if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0:
         raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0 and --max-body-mb > 0")
     # Leave a core to the HTTP event loop: a compute pool that spins on every core (OpenMP, ggml) stalls
@@ -52,10 +59,21 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             from twinfer.runtime.load import open_model
             from twinfer.runtime.speculative.options import open_proposer
 
-            opened = open_model(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads)
+            if budget[0] is not None:  # --memory-budget: the planner's local strategy, summarized on stderr
+                from twinfer.runtime.budget import open_with_budget
+
+                opened, strategy = open_with_budget(model, backend, budget[0], allow_pruning=budget[1],
+                                                    max_seqs=max_seqs, ctx=ctx, threads=threads)
+                print(f"twinfer: {strategy.summary()}", file=sys.stderr)
+            else:
+                # --batch-invariant: per-sequence KV streams on llama.cpp (other runners are invariant as they are)
+                options = {"unified_kv": False} if batch_invariant else None
+                opened = open_model(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, parallel=parallel,
+                                    runner_options=options)
             proposer = open_proposer(speculate, opened, max_seqs=max_seqs, ctx=ctx, threads=threads)
-            engine = Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=max_seqs, max_context=ctx),
-                            proposer)
+            invariant = batch_invariant and not opened.runner.kv.paged
+            engine = Engine(opened.runner, opened.tokenizer,
+                            EngineConfig(max_seqs=max_seqs, max_context=ctx, batch_invariant=invariant), proposer)
             async_engine = AsyncEngine(engine, max_queue=max_queue)
             async_engine.start()
             state.names.add(opened.name)

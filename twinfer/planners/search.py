@@ -3,7 +3,8 @@
 Fidelity comes first in a fixed order of passes: formats rated good or better (tier <= 2) without
 pruning; then lossier formats; pruning only as the last resort. A datacenter target first looks only at
 plans whose weights and KV cache the hardware consumes natively (DESIGN: nothing may cost kernel time
-the hardware does not need); a dequantizing format is its fallback when no native one fits. Inside a pass the fastest plan at the
+the hardware does not need) and never falls back to a dequantizing format: when no native plan fits,
+there is no plan, and the explanation names the smallest change (more GPUs). Inside a pass the fastest plan at the
 requested concurrency wins after a discount for expected KL (`score`): 0.01 nats costs about 10% of speed.
 """
 
@@ -85,7 +86,8 @@ LOCAL_EQUIVALENT = {"bf16": "f16", "fp8": "q8_0", "mxfp4-moe": "gguf-mxfp4"}
 def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize: bool = False) -> list[Mix]:
     """Formats worth trying: the published one (or the file as stored), and anything clearly smaller.
 
-    Never a format bigger than the checkpoint (upcasting buys nothing) and, locally, never a
+    Never a format bigger than the checkpoint (upcasting buys nothing), except FP8 and BF16 on a
+    datacenter target, whose GPU may not run the published format natively; locally, never a
     requantization to about the same size (it compounds error for no bytes saved).
     """
     if requested not in ("auto", ""):
@@ -105,8 +107,11 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
         smaller = [MIXES[n] for n in LOCAL_MIXES if n != base.name and profile.weight_bytes(MIXES[n]) < 0.9 * own]
         return [native, base, *smaller] if base is not native else [native, *smaller]
     limit = profile.weight_bytes(native) * 0.9
-    return [native] + [MIXES[n] for n in DATACENTER_MIXES
-                       if n != native.name and profile.weight_bytes(MIXES[n]) < limit]
+    smaller = [MIXES[n] for n in DATACENTER_MIXES if n != native.name and profile.weight_bytes(MIXES[n]) < limit]
+    # Upcasts, for GPUs that cannot run the published format natively (MXFP4 experts on Hopper, FP8 on
+    # Ampere): the search keeps them only where nothing native and smaller fits.
+    upcasts = [MIXES[n] for n in ("fp8", "bf16") if n != native.name and MIXES[n] not in smaller]
+    return [native, *smaller, *upcasts]
 
 
 def kv_formats(engine: str, requested: str, device_kind: str = "") -> list[KVFormat]:
@@ -201,10 +206,9 @@ def search(profile: ModelProfile, cluster: Cluster, request: Request, cal: Calib
     evaluated = [evaluate(p, cluster, s, request, cal)
                  for s, p in enumerate_strategies(profile, cluster, request, target)]
     fitting = [c for c in evaluated if c.fits]
-    if target == "datacenter":  # DESIGN: serve in formats the hardware runs natively when one fits
-        chosen = _best([c for c in fitting if c.tier <= GOOD and native_everywhere(c, cluster)])
-        if chosen:
-            return chosen, evaluated
+    if target == "datacenter":  # DESIGN: only formats the hardware runs natively; none fitting = no plan
+        native = [c for c in fitting if native_everywhere(c, cluster)]
+        return _best([c for c in native if c.tier <= GOOD]) or _best(native), evaluated
     chosen = _best([c for c in fitting if c.tier <= GOOD])
     if chosen is None and profile.stored is not None and request.weights_format in ("auto", ""):
         evaluated += [evaluate(p, cluster, s, request, cal)

@@ -2,14 +2,19 @@
 
 A SPEC names where logits come from: a twinfer backend (`llamacpp`, `torch`, `mlx`) running the
 model, `transformers` (Hugging Face in fp32 on the same file, GGUF included), or another model path
-(same tokenizer) run with the automatic backend.
+(same tokenizer; a `twinfer quantize` folder included) run with the automatic backend.
+
+A backend SPEC may carry options after a colon, comma-separated: `torch:kv=tq4`,
+`mlx:kv=tq2.5,weights=int4`, `torch:kv=tq3-qjl`, `llamacpp:kv=q4_0`. `kv` is a TurboQuant KV format
+on torch/mlx (quant/kv_format.py) or a llama.cpp cache type; `weights` quantizes every layer
+projection to one registry format (torch/mlx). Option runs use float32 on the torch backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -77,9 +82,64 @@ def open_source(spec: str, model: str | None, window: int) -> LogitSource:
     path = Path(spec).expanduser()
     if path.exists():
         return RunnerSource(open_model(str(path), "auto", max_seqs=2, ctx=_ctx_for(window)).runner)
-    raise TwinferError(
-        f"unknown SPEC {spec!r}: use llamacpp, torch, mlx, transformers, or the path of a model"
-    )
+    backend, options = parse_spec(spec)
+    return RunnerSource(runner_with_options(backend, options, model, _ctx_for(window)))
+
+
+SPEC_OPTIONS = {"llamacpp": ("kv",), "torch": ("kv", "weights"), "mlx": ("kv", "weights")}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """`torch:kv=tq4,weights=int4` -> ("torch", {"kv": "tq4", "weights": "int4"})."""
+    backend, sep, rest = spec.partition(":")
+    if backend not in RUNNER_SPECS or not sep:
+        raise TwinferError(
+            f"unknown SPEC {spec!r}: use llamacpp, torch, mlx, transformers, the path of a model, "
+            "or BACKEND:key=value options (torch:kv=tq4, torch:weights=int4, llamacpp:kv=q4_0)"
+        )
+    options: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in SPEC_OPTIONS[backend]:
+            raise TwinferError(
+                f"SPEC {spec!r}: option {item!r} is not one of {', '.join(k + '=...' for k in SPEC_OPTIONS[backend])}"
+            )
+        options[key] = value
+    return backend, options
+
+
+def runner_with_options(backend: str, options: dict[str, str], model: str | None, ctx: int) -> Runner:
+    """A runner of `model` on `backend` with a quantized KV cache and/or uniformly quantized weights."""
+    from twinfer.runtime.loaders import load_model
+
+    path = resolve_path(model)
+    loaded = load_model(path)
+    if backend == "llamacpp":
+        from twinfer.backends.llamacpp.runner import KV_TYPES, LlamaCppRunner
+
+        kv_type = options.get("kv", "f16")
+        if kv_type not in KV_TYPES:
+            raise TwinferError(f"llamacpp:kv={kv_type}: llama.cpp cache types are {', '.join(KV_TYPES)}")
+        return LlamaCppRunner(path, n_ctx=ctx, max_seqs=2, spec=loaded.spec, kv_type=kv_type)
+    from twinfer.quant.kv_format import parse_kv_format
+    from twinfer.quant.model_io import QuantizedView, quantizable
+
+    try:
+        kv = options.get("kv")
+        parse_kv_format(kv)
+        weights: Any = loaded.weights
+        if "weights" in options:
+            fmt = options["weights"]
+            weights = QuantizedView(weights, dict.fromkeys(quantizable(weights), fmt))
+    except ValueError as e:
+        raise TwinferError(f"{backend} SPEC options {options}: {e}") from e
+    if backend == "torch":
+        from twinfer.backends.cuda.runner import build_torch_runner
+
+        return build_torch_runner(loaded.spec, weights, kv_tokens=ctx, kv_format=kv)
+    from twinfer.backends.metal.runner import build_mlx_runner
+
+    return build_mlx_runner(loaded.spec, weights, kv_tokens=ctx, kv_format=kv)
 
 
 def _ctx_for(window: int) -> int:
@@ -113,5 +173,5 @@ def measure_kl(model: str | None, reference: str, candidate: str, corpus: str, t
     acc = KLAccumulator()
     for tokens_w in windows:
         if len(tokens_w) > 1:
-            acc.add(ref.logits(tokens_w)[:-1], cand.logits(tokens_w)[:-1])
+            acc.add(ref.logits(tokens_w)[:-1], cand.logits(tokens_w)[:-1], np.asarray(tokens_w[1:]))
     return acc.report(reference, candidate, str(corpus))

@@ -1,8 +1,10 @@
 """KL divergence of next-token distributions: how faithfully a candidate serves a reference.
 
 Both sides score the same token stream, teacher-forced, row by row. The statistics follow llama.cpp's
-`llama-perplexity --kl-divergence`: mean, median, p99 and max of KL(reference || candidate), and how
-often the two agree on the most likely token.
+`llama-perplexity --kl-divergence`: mean, median, p99 and max of KL(reference || candidate), how
+often the two agree on the most likely token ("same top p" in llama.cpp's output) and, when the
+scored tokens are known, the RMS difference of the probability each side gives the actual next token
+("RMS delta p").
 """
 
 from __future__ import annotations
@@ -33,10 +35,17 @@ class KLAccumulator:
 
     kl: list[np.ndarray] = field(default_factory=list)
     agree: list[np.ndarray] = field(default_factory=list)
+    delta_p: list[np.ndarray] = field(default_factory=list)
 
-    def add(self, ref_logits: np.ndarray, cand_logits: np.ndarray) -> None:
+    def add(self, ref_logits: np.ndarray, cand_logits: np.ndarray, targets: np.ndarray | None = None) -> None:
+        """Score rows; `targets` [rows] are the actual next tokens (for RMS delta p)."""
         self.kl.append(kl_rows(ref_logits, cand_logits))
         self.agree.append(np.argmax(ref_logits, axis=-1) == np.argmax(cand_logits, axis=-1))
+        if targets is not None:
+            t = np.asarray(targets, dtype=np.int64)[:, None]
+            p_ref = np.exp(np.take_along_axis(log_softmax(ref_logits), t, axis=-1))[:, 0]
+            p_cand = np.exp(np.take_along_axis(log_softmax(cand_logits), t, axis=-1))[:, 0]
+            self.delta_p.append(p_cand - p_ref)
 
     def report(self, reference: str, candidate: str, corpus: str) -> KLReport:
         kl = np.concatenate(self.kl) if self.kl else np.zeros(0)
@@ -48,6 +57,7 @@ class KLAccumulator:
             mean_kl=float(kl.mean()), median_kl=float(np.median(kl)),
             p99_kl=float(np.percentile(kl, 99)), max_kl=float(kl.max()),
             top1_agreement=float(agree.mean()), tokens=int(kl.size),
+            rms_delta_p=float(np.sqrt(np.mean(np.concatenate(self.delta_p) ** 2))) if self.delta_p else None,
         )
 
 
@@ -60,11 +70,16 @@ class KLReport:
     median_kl: float
     p99_kl: float
     max_kl: float
-    top1_agreement: float
+    top1_agreement: float  # llama.cpp's "same top p": both sides rank the same token first
     tokens: int
+    rms_delta_p: float | None = None  # RMS of p_cand(next) - p_ref(next), when tokens were given
 
-    def as_dict(self) -> dict[str, float | int | str]:
-        return asdict(self)
+    @property
+    def same_top_p(self) -> float:
+        return self.top1_agreement
+
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        return {**asdict(self), "same_top_p": self.same_top_p}
 
     def lines(self) -> list[str]:
         return [
@@ -73,5 +88,6 @@ class KLReport:
             f"  median {self.median_kl:.6f}",
             f"  p99    {self.p99_kl:.6f}",
             f"  max    {self.max_kl:.6f}",
-            f"  top-1 agreement {self.top1_agreement:.4f}",
+            f"  same top p {100 * self.top1_agreement:.3f} % (top-1 agreement)",
+            *([f"  RMS delta p {100 * self.rms_delta_p:.3f} %"] if self.rms_delta_p is not None else []),
         ]

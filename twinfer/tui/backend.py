@@ -108,6 +108,8 @@ class LoadOptions:
     ctx: int = 4096
     threads: int | None = None
     template: bool | None = None  # None: the template for chat-tuned models, a transcript for base models
+    memory_budget: str | None = None  # --memory-budget: open through runtime.budget's local strategy
+    allow_pruning: bool = False
 
 
 def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
@@ -131,7 +133,13 @@ def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
                         f"{plan.suggestion or 'try a smaller quantization or a lower --ctx'} "
                         f"(`twinfer plan {path}` explains)")
     progress(2, total, f"loading {path.name} on {backend} (the first run also converts the tokenizer)")
-    opened = open_model(str(path), backend, max_seqs=2, ctx=options.ctx, threads=options.threads)
+    if options.memory_budget is not None:
+        from twinfer.runtime.budget import open_with_budget
+
+        opened, _ = open_with_budget(str(path), backend, options.memory_budget, allow_pruning=options.allow_pruning,
+                                     max_seqs=2, ctx=options.ctx, threads=options.threads)
+    else:
+        opened = open_model(str(path), backend, max_seqs=2, ctx=options.ctx, threads=options.threads)
     progress(3, total, "starting the engine")
     instruct = bool(getattr(opened, "instruct", False))
     use_template = instruct if options.template is None else options.template

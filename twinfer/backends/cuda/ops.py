@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from twinfer.quant.linear import QuantizedWeight
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.rope import inv_freq
 from twinfer.runtime.spec import ModelSpec, MoESpec
@@ -32,6 +33,9 @@ class TorchStep:
     kv_slots: torch.Tensor  # [B, L] KV slot of each context position (0 where padded)
     rows: torch.Tensor  # [R] index into T of the rows that need logits
     cache: dict[Any, torch.Tensor] = field(default_factory=dict)  # masks and rope tables, per step
+    # pure decode steps on the triton path (one token per sequence): the paged-attention kernel's inputs
+    block_tables: torch.Tensor | None = None  # [B, W] int32 KV block ids, 0 where padded
+    context_lens: torch.Tensor | None = None  # [B] int32 positions each query attends to (its own included)
 
 
 class TorchOps:
@@ -45,19 +49,39 @@ class TorchOps:
         block_size: int,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        layers: range | None = None,
+        kv_format: str | None = None,
+        kernels: str | None = None,
     ):
+        """`layers`: the layers whose KV this process stores (a pipeline stage's); default all.
+        `kernels`: "auto" (triton on CUDA), "triton" or "torch" (kernels/__init__.py)."""
+        from twinfer.backends.cuda.kernels import load_kernels, select_kernels
+
         self.spec = spec
         self.device = torch.device(device)
+        self.kernels = select_kernels(kernels, self.device.type)
+        self._k = load_kernels() if self.kernels == "triton" else None
         self.dtype = dtype
         self.block_size = block_size
         slots = num_blocks * block_size
         shape = (slots, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
+        mine = set(range(spec.num_layers) if layers is None else layers)
+        empty = torch.zeros((0, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=self.device)
+
+        def cache() -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=self.device) if i in mine else empty
+                    for i in range(spec.num_layers)]
+
+        # a TurboQuant KV format ("tq4", "tq2.5", "tq3-qjl") codes K/V per head (backends/cuda/quant.py)
+        self.kv_quant = _tq_kv_caches(spec, kv_format, slots, self.device, dtype)
+        if self.kv_quant:
+            mine = set()
+        self.k_cache, self.v_cache = cache(), cache()
         self._inv_freq = [torch.from_numpy(inv_freq(spec, i)).to(self.device) for i in range(spec.num_layers)]
 
     # -- step setup ----------------------------------------------------------------------------
-    def begin_step(self, batch: StepBatch) -> TorchStep:
+    def begin_step(self, batch: StepBatch, table_width: int | None = None) -> TorchStep:
+        """`table_width`: pad decode block tables to this many blocks (fixed shapes for CUDA graphs)."""
         chunks = batch.chunks
         B = len(chunks)
         Tq = max(len(c.tokens) for c in chunks)
@@ -82,7 +106,17 @@ class TorchOps:
         def up(a: Any) -> torch.Tensor:
             return torch.as_tensor(np.asarray(a)).to(dev, non_blocking=True)
 
+        tables = lens = None
+        if self._decode_kernel_applies(batch):
+            width = table_width or max(-(-c.end // bs) for c in chunks)
+            block_tables = np.zeros((B, width), dtype=np.int32)
+            for b, c in enumerate(chunks):
+                n = -(-c.end // bs)
+                block_tables[b, :n] = c.block_table[:n]
+            tables, lens = up(block_tables), up(np.asarray([c.end for c in chunks], dtype=np.int32))
         return TorchStep(
+            block_tables=tables,
+            context_lens=lens,
             tokens=up(np.asarray(batch.token_ids(), dtype=np.int64)),
             positions=up(np.asarray(batch.positions(), dtype=np.int64)),
             slots=up(np.asarray(batch.slot_mapping(bs), dtype=np.int64)),
@@ -93,20 +127,45 @@ class TorchOps:
             rows=up(np.asarray(batch.logit_token_index(), dtype=np.int64)),
         )
 
-    def weight(self, name: str, value: Any) -> torch.Tensor:
+    def _decode_kernel_applies(self, batch: StepBatch) -> bool:
+        """Pure decode on the triton path, with a head dim the kernel tiles (a power of two)."""
+        D = self.spec.head_dim
+        return (self._k is not None and not self.kv_quant and D & (D - 1) == 0
+                and all(len(c.tokens) == 1 for c in batch.chunks))
+
+    def weight(self, name: str, value: Any) -> Any:
+        if isinstance(value, QuantizedWeight):
+            from twinfer.backends.cuda.quant import torch_weight
+
+            return torch_weight(value, self.device, self.dtype)
         return torch.as_tensor(np.ascontiguousarray(value)).to(self.device, self.dtype)
 
     # -- elementwise and dense -----------------------------------------------------------------
     def embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, table)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(w, torch.Tensor):  # a quantized weight (backends/cuda/quant.py) runs itself
+            out: torch.Tensor = w(x, bias)
+            return out
         return F.linear(x, w, bias)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._k is not None:
+            y: torch.Tensor = self._k.rms_norm(x, w, eps)
+            return y
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (xf * w.float()).to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, rms_norm(x + delta) * w): the residual add fused into the norm on the triton path."""
+        if self._k is not None and x.dim() == 2:
+            y, h = self._k.rms_norm_residual(x, delta, w, eps)
+            return h, y
+        h = x + delta
+        return h, self.rms_norm(h, w, eps)
 
     def act(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "silu":
@@ -138,9 +197,17 @@ class TorchOps:
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: TorchStep, layer: int
     ) -> torch.Tensor:
+        if self.kv_quant:
+            mask = self._mask(ctx, self.spec.window(layer))
+            return self.kv_quant[layer].attention(q, k, v, ctx, mask, self.spec.attention_scale)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_cache.index_copy_(0, ctx.slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, ctx.slots, v.to(v_cache.dtype))
+        if ctx.block_tables is not None and self._k is not None:  # decode: one query per sequence, T == B
+            out: torch.Tensor = self._k.paged_decode_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.block_size,
+                self.spec.attention_scale, self.spec.window(layer))
+            return out  # [T, H, D]
         Q = q[ctx.q_index].transpose(1, 2)  # [B, H, Tq, D]
         K = k_cache[ctx.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
         V = v_cache[ctx.kv_slots].transpose(1, 2)
@@ -173,22 +240,49 @@ class TorchOps:
         moe: MoESpec,
         act: str,
     ) -> torch.Tensor:
+        weights, experts = self.route(x, router, moe)
+        return self.experts(x, weights, experts, gate, up, down, act, first=0)
+
+    def route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k expert ids [T, k] and their weights [T, k] (x's dtype)."""
         probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
         weights, experts = probs.topk(moe.top_k, dim=-1)  # [T, k]
         if moe.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights.to(x.dtype), experts
+
+    def experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        act: str,
+        first: int,
+    ) -> torch.Tensor:
+        """Sum of the routed experts held here (ids first .. first + len(gate)) over x [T, C].
+
+        Dispatch: sort the (token, slot) pairs by expert; combine: index_add the weighted outputs.
+        On the triton path one fused grouped GEMM does both, without waiting for the device.
+        """
+        if self._k is not None and all(isinstance(t, torch.Tensor) for t in (gate, up, down)):
+            fused: torch.Tensor = self._k.fused_moe(x, gate, up, down, experts, weights, act, first=first)
+            return fused
         out = torch.zeros_like(x)
-        flat = experts.flatten()
+        k = experts.shape[1]
+        flat = experts.flatten() - first  # local expert ids; other ranks' experts fall outside
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()  # routing is data-dependent
-        start = 0
+        held = (flat >= 0) & (flat < gate.shape[0])
+        counts = torch.bincount(flat[held], minlength=gate.shape[0]).tolist()  # routing is data-dependent
+        start = int((flat < 0).sum()) if first else 0  # sorted ids below ours come first
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             picks = order[start : start + n]
             start += n
-            tok = picks // moe.top_k
+            tok = picks // k
             h = x[tok]
             y = F.linear(self.act(F.linear(h, gate[e]), act) * F.linear(h, up[e]), down[e])
             out.index_add_(0, tok, y * weights.flatten()[picks, None])
@@ -200,3 +294,18 @@ class TorchOps:
 
     def to_host(self, x: torch.Tensor) -> np.ndarray:
         return x.float().cpu().numpy()
+
+
+def _tq_kv_caches(
+    spec: ModelSpec, kv_format: str | None, slots: int, device: torch.device, dtype: torch.dtype
+) -> list[Any]:
+    """One coded KV cache per layer for a TurboQuant `kv_format` ("tq4", "tq2.5", "tq3-qjl"), else []."""
+    from twinfer.quant.kv_format import parse_kv_format
+
+    fmt = parse_kv_format(kv_format)
+    if fmt is None:
+        return []
+    from twinfer.backends.cuda.quant import TorchTQKV
+
+    heads, dim = spec.num_kv_heads, spec.head_dim
+    return [TorchTQKV(fmt, i, slots, heads, dim, device, dtype) for i in range(spec.num_layers)]

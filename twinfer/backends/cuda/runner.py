@@ -1,15 +1,16 @@
-"""Build an `OpsRunner` over torch from a loaded model or from a dict of canonical-name weights."""
+"""Build the torch backend's runner (`graphs.TorchRunner`) from a loaded model or from canonical-name weights."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from twinfer.backends.cuda.formats import convert_weight, native_weight_format
+from twinfer.backends.cuda.graphs import TorchRunner
 from twinfer.backends.cuda.ops import TorchOps
-from twinfer.runtime.ops import Ops
-from twinfer.runtime.runner import KVLayout, OpsRunner
+from twinfer.runtime.runner import KVLayout
 from twinfer.runtime.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -23,11 +24,20 @@ def load_torch_runner(
     dtype: torch.dtype = torch.float32,
     kv_tokens: int = 4096,
     block_size: int = 16,
-) -> OpsRunner:
+    kv_format: str | None = None,
+    weight_format: str | None = None,
+    kernels: str | None = None,
+    cuda_graphs: bool = True,
+) -> TorchRunner:
     """A torch runner for a model from `runtime.loaders.load_model`, with a paged KV cache of
-    `kv_tokens` positions in blocks of `block_size`. Weights are moved one at a time."""
+    `kv_tokens` positions in blocks of `block_size`. Weights are moved one at a time.
+    `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant.
+    `weight_format` "fp8" stores the dense projections as FP8 (formats.py); on a GPU a format it
+    cannot multiply natively is refused. `kernels`: "auto" (triton on CUDA), "triton" or "torch";
+    `cuda_graphs`: replay decode steps from CUDA graphs on a GPU (graphs.py)."""
     w = loaded.weights
-    return _build(loaded.spec, w.names(), w.load, device, dtype, kv_tokens, block_size)
+    return _build(loaded.spec, w.names(), w.load, device, dtype, kv_tokens, block_size, kv_format, weight_format,
+                  kernels=kernels, cuda_graphs=cuda_graphs)
 
 
 def build_torch_runner(
@@ -38,9 +48,14 @@ def build_torch_runner(
     dtype: torch.dtype = torch.float32,
     kv_tokens: int = 4096,
     block_size: int = 16,
-) -> OpsRunner:
-    """A torch runner from canonical-name -> host tensor (numpy float32) weights."""
-    return _build(spec, weights.keys(), weights.__getitem__, device, dtype, kv_tokens, block_size)
+    kv_format: str | None = None,
+    weight_format: str | None = None,
+    kernels: str | None = None,
+    cuda_graphs: bool = True,
+) -> TorchRunner:
+    """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights."""
+    return _build(spec, weights.keys(), weights.__getitem__, device, dtype, kv_tokens, block_size, kv_format,
+                  weight_format, kernels=kernels, cuda_graphs=cuda_graphs)
 
 
 def _build(
@@ -51,17 +66,25 @@ def _build(
     dtype: torch.dtype,
     kv_tokens: int,
     block_size: int,
-) -> OpsRunner:
+    kv_format: str | None = None,
+    weight_format: str | None = None,
+    *,
+    kernels: str | None = None,
+    cuda_graphs: bool = True,
+) -> TorchRunner:
+    fmt = native_weight_format(weight_format, torch.device(device))
     if block_size <= 0 or kv_tokens < block_size:
         raise ValueError(
             f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
         )
     kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
-    ops = TorchOps(spec, num_blocks=kv.num_blocks, block_size=block_size, device=device, dtype=dtype)
+    ops = TorchOps(  # one block more than the engine sees: the scratch block of padded decode rows
+        spec, num_blocks=kv.num_blocks + 1, block_size=block_size, device=device, dtype=dtype, kv_format=kv_format,
+        kernels=kernels,
+    )
     weights = {}
     for name in names:
         if name == "lm_head" and spec.tie_word_embeddings:
             continue  # tied: the model reads `embed`; keep one copy on the device
-        weights[name] = ops.weight(name, load(name))
-    # cast: Ops types its step context as the StepContext protocol, backends as their own class
-    return OpsRunner(spec, cast(Ops, ops), weights, kv, backend="torch")
+        weights[name] = convert_weight(name, ops.weight(name, load(name)), fmt)
+    return TorchRunner(spec, ops, weights, kv, cuda_graphs=cuda_graphs)

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from twinfer.quant.linear import QuantizedWeight
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.rope import inv_freq
 from twinfer.runtime.spec import ModelSpec, MoESpec
@@ -65,13 +66,17 @@ class MlxOps:
         num_blocks: int,
         block_size: int,
         dtype: str | mx.Dtype = "float32",
+        kv_format: str | None = None,
     ):
         self.spec = spec
         self.dtype = mlx_dtype(dtype)
         self.block_size = block_size
         shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(spec.num_layers)]
-        self.v_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(spec.num_layers)]
+        # a TurboQuant KV format ("tq4", "tq2.5", "tq3-qjl") codes K/V per head (backends/metal/quant.py)
+        self.kv_quant = _tq_kv_caches(spec, kv_format, shape[0], self.dtype)
+        dense = 0 if self.kv_quant else spec.num_layers
+        self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(dense)]
+        self.v_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(dense)]
         self._inv_freq = [mx.array(inv_freq(spec, i)) for i in range(spec.num_layers)]
         self._gather_mm_f32 = mx.default_device().type == mx.cpu
         mx.eval(self.k_cache, self.v_cache)
@@ -112,14 +117,21 @@ class MlxOps:
             rows=up(batch.logit_token_index()),
         )
 
-    def weight(self, name: str, value: Any) -> mx.array:
+    def weight(self, name: str, value: Any) -> Any:
+        if isinstance(value, QuantizedWeight):
+            from twinfer.backends.metal.quant import mlx_weight
+
+            return mlx_weight(value, self.dtype)
         return mx.array(np.ascontiguousarray(value), dtype=self.dtype)
 
     # -- elementwise and dense -----------------------------------------------------------------
     def embedding(self, table: mx.array, ids: mx.array) -> mx.array:
         return mx.take(table, ids, axis=0)
 
-    def linear(self, x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
+    def linear(self, x: mx.array, w: Any, bias: mx.array | None = None) -> mx.array:
+        if not isinstance(w, mx.array):  # a quantized weight (backends/metal/quant.py) runs itself
+            out: mx.array = w(x, bias)
+            return out
         if bias is None:
             return x @ w.T
         return mx.addmm(bias, x, w.T)
@@ -158,6 +170,9 @@ class MlxOps:
 
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q: mx.array, k: mx.array, v: mx.array, ctx: MlxStep, layer: int) -> mx.array:
+        if self.kv_quant:
+            mask = self._mask(ctx, self.spec.window(layer))
+            return self.kv_quant[layer].attention(q, k, v, ctx, mask, self.spec.attention_scale)
         T, H, D = q.shape
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_cache[ctx.slots] = k.astype(k_cache.dtype)  # a scatter: builds the next cache array
@@ -241,7 +256,8 @@ class MlxOps:
 
     def to_host(self, x: mx.array) -> np.ndarray:
         out = x.astype(mx.float32)
-        mx.eval(out, self.k_cache, self.v_cache)  # the step's one wait: logits and KV writes together
+        coded = [a for c in self.kv_quant for a in c.arrays()]
+        mx.eval(out, self.k_cache, self.v_cache, coded)  # the step's one wait: logits and KV writes together
         return np.array(out, copy=True)
 
 
@@ -250,3 +266,16 @@ def rms_norm_reference(x: mx.array, w: mx.array, eps: float) -> mx.array:
     xf = x.astype(mx.float32)
     xf = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * w.astype(mx.float32)).astype(x.dtype)
+
+
+def _tq_kv_caches(spec: ModelSpec, kv_format: str | None, slots: int, dtype: mx.Dtype) -> list[Any]:
+    """One coded KV cache per layer for a TurboQuant `kv_format`, else []."""
+    from twinfer.quant.kv_format import parse_kv_format
+
+    fmt = parse_kv_format(kv_format)
+    if fmt is None:
+        return []
+    from twinfer.backends.metal.quant import MlxTQKV
+
+    heads, dim = spec.num_kv_heads, spec.head_dim
+    return [MlxTQKV(fmt, i, slots, heads, dim, dtype) for i in range(spec.num_layers)]

@@ -17,12 +17,18 @@ if TYPE_CHECKING:
 
 
 def load_mlx_runner(
-    loaded: LoadedModel, *, kv_tokens: int = 4096, block_size: int = 16, dtype: str | mx.Dtype = "float32"
+    loaded: LoadedModel,
+    *,
+    kv_tokens: int = 4096,
+    block_size: int = 16,
+    dtype: str | mx.Dtype = "float32",
+    kv_format: str | None = None,
 ) -> OpsRunner:
     """An MLX runner for a model from `runtime.loaders.load_model`, with a paged KV cache of
-    `kv_tokens` positions in blocks of `block_size`. Weights are converted one at a time."""
+    `kv_tokens` positions in blocks of `block_size`. Weights are converted one at a time.
+    `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant."""
     w = loaded.weights
-    return _build(loaded.spec, w.names(), w.load, kv_tokens, block_size, dtype)
+    return _build(loaded.spec, w.names(), w.load, kv_tokens, block_size, dtype, kv_format)
 
 
 def build_mlx_runner(
@@ -32,9 +38,10 @@ def build_mlx_runner(
     kv_tokens: int = 4096,
     block_size: int = 16,
     dtype: str | mx.Dtype = "float32",
+    kv_format: str | None = None,
 ) -> OpsRunner:
-    """An MLX runner from canonical-name -> host tensor (numpy float32) weights."""
-    return _build(spec, weights.keys(), weights.__getitem__, kv_tokens, block_size, dtype)
+    """An MLX runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights."""
+    return _build(spec, weights.keys(), weights.__getitem__, kv_tokens, block_size, dtype, kv_format)
 
 
 def _build(
@@ -44,6 +51,7 @@ def _build(
     kv_tokens: int,
     block_size: int,
     dtype: str | mx.Dtype,
+    kv_format: str | None = None,
 ) -> OpsRunner:
     if block_size <= 0 or kv_tokens < block_size:
         raise ValueError(
@@ -51,7 +59,7 @@ def _build(
         )
     _wire_working_set()
     kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
-    ops = MlxOps(spec, num_blocks=kv.num_blocks, block_size=block_size, dtype=dtype)
+    ops = MlxOps(spec, num_blocks=kv.num_blocks, block_size=block_size, dtype=dtype, kv_format=kv_format)
     weights = {}
     for name in names:
         if name == "lm_head" and spec.tie_word_embeddings:

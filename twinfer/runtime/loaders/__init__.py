@@ -43,7 +43,7 @@ class LoadedModel:
     """
 
     path: Path
-    format: str  # "gguf" or "hf"
+    format: str  # "gguf", "hf" or "quantized" (a `twinfer quantize` folder)
     spec: ModelSpec
     weights: WeightSet
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -59,6 +59,11 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     if not resolved.exists():
         raise ModelError(f"model path {str(resolved)!r} does not exist; pass a .gguf file or a model folder")
     if resolved.is_dir():
+        from twinfer.runtime.loaders.quantized import is_quantized_folder, load_quantized
+
+        if is_quantized_folder(resolved):  # written by `twinfer quantize`
+            spec, qweights, config = load_quantized(resolved)
+            return LoadedModel(resolved, "quantized", spec, qweights, config)
         spec, weights, metadata = load_hf(resolved)
         return LoadedModel(resolved, "hf", spec, weights, metadata)
     if _is_gguf(resolved):

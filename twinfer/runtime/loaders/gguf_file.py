@@ -134,6 +134,10 @@ def _gemma3(k: _Keys, n_layers: int, hidden: int, n_heads: int, head_dim: int) -
         out["layer_types"] = tuple(
             FULL if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else SLIDING for i in range(n_layers)
         )
+        # a per-layer pattern (llama.cpp load_swa_pattern), as pruned files write it: true = sliding
+        pattern = k.meta.get("gemma3.attention.sliding_window_pattern")
+        if isinstance(pattern, list) and len(pattern) == n_layers:
+            out["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
     return out
 
 

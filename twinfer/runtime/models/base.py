@@ -40,8 +40,9 @@ class Model:
 
     def block(self, ops: Ops, w: Weights, p: str, layer: int, x: Array, ctx: StepContext) -> Array:
         eps = self.spec.rms_norm_eps
-        x = x + self.attention(ops, w, p, layer, ops.rms_norm(x, w[p + "attn_norm"], eps), ctx)
-        return x + self.feed_forward(ops, w, p, layer, ops.rms_norm(x, w[p + "mlp_norm"], eps))
+        a = self.attention(ops, w, p, layer, ops.rms_norm(x, w[p + "attn_norm"], eps), ctx)
+        x, h = add_rms_norm(ops, x, a, w[p + "mlp_norm"], eps)
+        return x + self.feed_forward(ops, w, p, layer, h)
 
     def attention(self, ops: Ops, w: Weights, p: str, layer: int, h: Array, ctx: StepContext) -> Array:
         s = self.spec
@@ -65,3 +66,14 @@ class Model:
             )
         gate = ops.act(ops.linear(h, w[p + "gate"]), self.spec.hidden_act)
         return ops.linear(gate * ops.linear(h, w[p + "up"]), w[p + "down"])
+
+
+def add_rms_norm(ops: Ops, x: Array, delta: Array, w: Array, eps: float) -> tuple[Array, Array]:
+    """(x + delta, rms_norm(x + delta) * w). A backend with a fused residual-add + norm kernel provides it
+    as `ops.add_rms_norm` (an optional op: backends without one get the two plain calls)."""
+    fused = getattr(ops, "add_rms_norm", None)
+    if fused is not None:
+        out: tuple[Array, Array] = fused(x, delta, w, eps)
+        return out
+    x = x + delta
+    return x, ops.rms_norm(x, w, eps)

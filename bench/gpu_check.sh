@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU check for the datacenter target, under 8 minutes on one H200:
+#   1. the CUDA-marked tests (FP8 GEMM, CUDA-graph capture and replay vs eager) and the triton kernels
+#      compiled for the GPU (not interpreted), alone and wired into whole tiny models;
+#   2. decode tokens/s at batch 1 and 64 of a random-weight ~8B Llama in BF16 and FP8 (triton kernels,
+#      CUDA graphs), with achieved HBM bandwidth as a fraction of the card's (4.8 TB/s on an H200),
+#      and batch 1 again without graphs: what the graphs buy.
+# Usage: bash bench/gpu_check.sh [--dry-run]   (--dry-run: CPU, tiny model; what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DRY=${1:-}
+if [[ "$DRY" != "--dry-run" ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device visible to torch"
+print("torch", torch.__version__, "cuda", torch.version.cuda, "capability", torch.cuda.get_device_capability())
+PY
+  echo "== CUDA tests (cuda marker: formats, CUDA graphs; triton kernels compiled) =="
+  TRITON_INTERPRET=0 timeout 240 python -m pytest -q -m "cuda" tests/test_cuda_formats.py tests/test_cuda_graphs.py
+  TRITON_INTERPRET=0 timeout 180 python -m pytest -q tests/test_triton_kernels.py tests/test_cuda_graphs.py
+  echo "== decode throughput =="
+  timeout 240 python bench/gpu_decode.py --batches 1,64 --formats bf16,fp8 --context 1024 --steps 32
+  timeout 90 python bench/gpu_decode.py --batches 1 --formats bf16 --context 1024 --steps 32 --no-cuda-graphs
+else
+  python bench/gpu_decode.py --dry-run
+fi

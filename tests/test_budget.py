@@ -1,0 +1,85 @@
+"""`--memory-budget` (issue 7): the local strategy is chosen, applied, and its KL measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from twinfer.quant.fidelity import RunnerSource, corpus_windows
+from twinfer.quant.kl import KLAccumulator
+from twinfer.runtime.budget import open_with_budget, ops_strategy, parse_budget
+from twinfer.runtime.errors import PlanError
+from twinfer.runtime.loaders import load_model
+from twinfer.runtime.synthetic import SyntheticMoE, write_synthetic_moe
+
+
+def test_parse_budget() -> None:
+    assert parse_budget("800MiB") == 800 * 2**20
+    assert parse_budget("12GB") == 12_000_000_000
+    assert parse_budget("123456") == 123456
+    for bad in ("0", "-5GB", "12XB", "lots"):
+        with pytest.raises(PlanError):
+            parse_budget(bad)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    shape = SyntheticMoE(hidden=128, intermediate=128, layers=4, experts=16, top_k=2, vocab=256, heads=2, kv_heads=1,
+                         head_dim=64)
+    return write_synthetic_moe(tmp_path_factory.mktemp("moe"), shape)
+
+
+def test_moe_strategies_by_budget(moe: Path) -> None:
+    loaded = load_model(moe)
+    weight_bytes = sum(p.stat().st_size for p in moe.glob("*.safetensors"))
+    roomy = ops_strategy(loaded, "torch", 4 * weight_bytes, 256, 4, False)
+    assert roomy.dtype == "float32" and roomy.expert_cache_bytes is None  # fits: full residency, any batch
+    tight = ops_strategy(loaded, "torch", weight_bytes // 2, 256, 1, False)
+    assert tight.dtype == "float32" and tight.expert_cache_bytes is not None
+    assert 0 < tight.expert_cache_bytes < weight_bytes // 2
+    assert "streamed" in tight.summary()
+    batched = ops_strategy(loaded, "torch", weight_bytes // 2, 256, 4, False)
+    assert batched.expert_cache_bytes == tight.expert_cache_bytes and "several sequences" in batched.summary()
+    with pytest.raises(PlanError, match="memory-budget"):
+        ops_strategy(loaded, "torch", weight_bytes // 50, 256, 1, False)
+
+
+def _kl(ref: object, cand: object, model: Path, tokens: int = 95) -> tuple[float, float]:
+    acc = KLAccumulator()
+    for w in corpus_windows(str(model), "prose", tokens, 48):
+        acc.add(RunnerSource(ref).logits(w)[:-1], RunnerSource(cand).logits(w)[:-1])  # type: ignore[arg-type]
+    report = acc.report("unconstrained", "budget", "prose")
+    return report.mean_kl, report.top1_agreement
+
+
+def test_default_model_torch_budget_holds_half_precision(default_model: Path) -> None:
+    pytest.importorskip("torch")
+    from twinfer.runtime.load import open_model
+
+    opened, strategy = open_with_budget(str(default_model), "torch", "700MB", ctx=256)
+    assert strategy.dtype == "bfloat16" and strategy.predicted_bytes <= 700e6
+    full = open_model(str(default_model), "torch", max_seqs=1, ctx=256)
+    mean_kl, top1 = _kl(full.runner, opened.runner, default_model, tokens=47)
+    assert 0.0 < mean_kl < 0.02 and top1 > 0.9
+
+
+def test_default_model_llamacpp_budget_runs_the_plan(default_model: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("llama_cpp")
+    from twinfer.runtime.load import open_model
+
+    monkeypatch.setenv("TWINFER_CACHE", str(tmp_path))
+    stored = default_model.stat().st_size
+    opened, strategy = open_with_budget(str(default_model), "llamacpp", "400MB", ctx=1024)
+    assert strategy.predicted_bytes <= 400e6
+    assert strategy.requantize is not None or strategy.kv_type != "f16"  # as stored (F16 KV) does not fit
+    if strategy.requantize:
+        assert opened.runner.describe()  # the requantized file is what runs
+        assert any(tmp_path.glob("requant/*.gguf"))
+    full = open_model(str(default_model), "llamacpp", max_seqs=1, ctx=1024)
+    mean_kl, top1 = _kl(full.runner, opened.runner, default_model)
+    # requantizing the 4-bit file compounds its error: measured KL is far above the planner's table value
+    assert np.isfinite(mean_kl) and 0.0 < mean_kl < 1.5 and top1 > 0.5
+    assert stored > 0

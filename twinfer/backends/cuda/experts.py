@@ -1,0 +1,93 @@
+"""Expert streaming over torch: the array math of `runtime.experts.StreamingOps` and the runner builder.
+
+Routing and the per-expert feed-forward are the same calls, in the same order, as `TorchOps.moe`, so a
+streamed run computes the same numbers as a fully resident one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from twinfer.backends.cuda.ops import TorchOps
+from twinfer.runtime.experts import (
+    ExpertCache,
+    ExpertHandle,
+    ExpertReader,
+    StreamingOps,
+    expert_params,
+    is_expert_weight,
+    release_pages,
+)
+from twinfer.runtime.ops import Ops
+from twinfer.runtime.runner import KVLayout, OpsRunner
+from twinfer.runtime.spec import MoESpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders import LoadedModel
+
+
+class TorchStreamingOps(StreamingOps):
+    inner: TorchOps
+
+    def _route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, np.ndarray]:
+        probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
+        weights, experts = probs.topk(moe.top_k, dim=-1)  # [T, k]
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts.cpu().numpy()
+
+    def _predict(self, x: torch.Tensor, router: torch.Tensor, k: int) -> list[int]:
+        scores = F.linear(x, router).float().softmax(-1).mean(0)  # [E] mean over the step's rows
+        return [int(e) for e in scores.topk(k).indices.tolist()]
+
+    def _expert_out(self, out: torch.Tensor | None, x: torch.Tensor, tok: np.ndarray, slot: np.ndarray,
+                    weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                    act: str) -> torch.Tensor:
+        if out is None:
+            out = torch.zeros_like(x)
+        rows = torch.as_tensor(tok, device=x.device)
+        cols = torch.as_tensor(slot, device=x.device)
+        h = x[rows]
+        y = F.linear(self.inner.act(F.linear(h, gate), act) * F.linear(h, up), down)
+        out.index_add_(0, rows, y * weights[rows, cols][:, None])
+        return out
+
+
+def load_streaming_torch_runner(
+    loaded: LoadedModel,
+    *,
+    cache_bytes: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    kv_tokens: int = 4096,
+    block_size: int = 16,
+    prefetch: bool = True,
+) -> OpsRunner:
+    """A torch runner whose routed experts stay in the file behind an LRU cache of `cache_bytes`."""
+    spec, w = loaded.spec, loaded.weights
+    assert spec.moe is not None
+    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
+    ops = TorchOps(spec, num_blocks=kv.num_blocks, block_size=block_size, device=device, dtype=dtype)
+    weights: dict[str, Any] = {}
+    for name in w.names():
+        if name == "lm_head" and spec.tie_word_embeddings:
+            continue
+        if is_expert_weight(name):
+            layer, part = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+            weights[name] = ExpertHandle(layer, part, w.shape(name))
+        else:
+            weights[name] = ops.weight(name, w.load(name))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    cache = ExpertCache(
+        ExpertReader(w), lambda a: ops.weight("expert", a), cache_bytes,
+        expert_params(spec) * itemsize, spec.moe.top_k, prefetch_enabled=prefetch,
+    )
+    release_pages(w, [n for n in w.names() if not is_expert_weight(n)])
+    routers = {i: weights[f"layers.{i}.router"] for i in range(spec.num_layers) if spec.is_moe_layer(i)}
+    sops = TorchStreamingOps(ops, cache, routers, spec)
+    runner = OpsRunner(spec, cast(Ops, sops), weights, kv, backend="torch")
+    return runner

@@ -1,0 +1,146 @@
+"""Native formats only on the datacenter target: what each GPU generation multiplies directly.
+
+Blackwell (sm_100+) runs NVFP4 and MXFP4 through block-scaled tensor-core GEMMs, Hopper and Ada
+(sm_89/sm_90) run FP8 through `torch._scaled_mm`, and everything else runs BF16. A format whose GEMM
+would need a dequantization loop (GGUF k-quants, int4, TurboQuant codebooks) costs kernel time the
+hardware does not need, so `check_format` refuses it with the reason and the native choice.
+
+`Fp8Linear` is the FP8 weight: E4M3 codes with one scale per output channel; activations are
+quantized per row on the fly. On a capable GPU it calls `torch._scaled_mm`; elsewhere (CPU, tests)
+the same arithmetic runs in float32, which is also the reference the GPU path is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from twinfer.runtime.errors import BackendUnavailable
+
+E4M3_MAX = 448.0
+FP4 = ("nvfp4", "mxfp4")
+_FAMILY_HINT = {
+    "gguf": "GGUF k-quants are expanded by a dequantization loop; run the GGUF file with --backend llamacpp, "
+            "or serve the original weights",
+    "int": "integer weight-only formats are expanded by a dequantization loop",
+    "turboquant": "TurboQuant codebooks are expanded by a rotation and a lookup",
+}  # fmt: skip
+
+
+class FormatRefused(BackendUnavailable):
+    """A weight format the datacenter target does not run, because its GEMM would dequantize."""
+
+
+def generation(capability: tuple[int, int]) -> str:
+    """The GPU generation name for a CUDA compute capability."""
+    if capability >= (10, 0):
+        return "Blackwell"
+    if capability >= (9, 0):
+        return "Hopper"
+    if capability >= (8, 9):
+        return "Ada"
+    if capability >= (8, 0):
+        return "Ampere"
+    return "pre-Ampere"
+
+
+def native_formats(capability: tuple[int, int]) -> tuple[str, ...]:
+    """Weight formats whose GEMMs run on this GPU's tensor cores without a dequantization loop."""
+    if capability >= (10, 0):
+        return ("nvfp4", "mxfp4", "fp8", "bf16")
+    if capability >= (8, 9):
+        return ("fp8", "bf16")
+    if capability >= (8, 0):
+        return ("bf16",)
+    return ("f16",)
+
+
+def check_format(fmt: str, capability: tuple[int, int]) -> str:
+    """Return `fmt` when this GPU multiplies it natively; raise FormatRefused saying why and what to use."""
+    from twinfer.planners.formats import FORMATS
+
+    name = fmt.lower()
+    native = native_formats(capability)
+    if name in native or name == "f32":
+        return name
+    gen = f"{generation(capability)} (sm_{capability[0]}{capability[1]})"
+    use = ", ".join(native)
+    if name not in FORMATS:
+        raise FormatRefused(f"unknown weight format {fmt!r}; on {gen} twinfer serves {use}")
+    f = FORMATS[name]
+    if f.family in _FAMILY_HINT:
+        why = _FAMILY_HINT[f.family]
+    elif name in FP4 or name == "fp8":
+        why = f"{generation(capability)} has no {f.compute.upper()} tensor cores, so its GEMM would dequantize"
+    else:
+        why = f"{name} computes in {f.compute}, which this GPU's tensor cores do not take"
+    raise FormatRefused(f"{name} is not a native format on {gen}: {why}. The datacenter target serves only "
+                        f"native formats here ({use}); quantize to {native[0]} or serve {native[-1]}")
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` runs FP8 on this device (CUDA, compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes of x [N, K] with one float32 scale per row [N, 1]: x ~= codes * scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    codes = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+@dataclass
+class Fp8Linear:
+    """An FP8 weight [out, in] with one scale per output channel (rowwise `_scaled_mm` layout)."""
+
+    codes: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [out, 1]
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor) -> Fp8Linear:
+        codes, scale = quantize_rows(w)
+        return cls(codes, scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype (TorchOps.linear calls non-tensor weights this way)."""
+        xq, xs = quantize_rows(x)
+        if fp8_supported(x.device) and x.shape[1] % 16 == 0 and self.codes.shape[0] % 16 == 0:
+            y = torch._scaled_mm(xq, self.codes.t(), scale_a=xs, scale_b=self.scale.t(), out_dtype=torch.bfloat16)
+        else:
+            y = fp8_linear_reference(xq, xs, self.codes, self.scale)
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """What `_scaled_mm` computes with rowwise scales, in float32: (xq * xs) @ (wq * ws).T."""
+    return (xq.float() @ wq.float().t()) * xs * ws.t()
+
+
+LINEAR_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+
+
+def convert_weight(name: str, w: Any, fmt: str) -> Any:
+    """A dense projection in `fmt` ("bf16"/"f32": as is; "fp8": an Fp8Linear); other weights as is."""
+    if fmt == "fp8" and isinstance(w, torch.Tensor) and w.dim() == 2 and name.split(".")[-1] in LINEAR_WEIGHTS:
+        return Fp8Linear.from_weight(w)
+    return w
+
+
+def native_weight_format(weight_format: str | None, device: torch.device) -> str:
+    """The torch runner's weight format: None keeps the runner's dtype; on a GPU, only native formats."""
+    if weight_format is None:
+        return "as-dtype"
+    if device.type == "cuda":
+        return check_format(weight_format, torch.cuda.get_device_capability(device))
+    if weight_format not in ("fp8", "bf16", "f32"):
+        raise FormatRefused(f"the torch backend converts weights to bf16, f32 or fp8 itself, not {weight_format!r}; "
+                            "quantized checkpoints load through their own format")
+    return weight_format

@@ -1,0 +1,57 @@
+"""Triton kernels for the torch backend on NVIDIA GPUs, each next to its plain-torch reference.
+
+`reference.py` holds the references (and runs anywhere); the kernel modules import triton, so import
+them only where triton is installed. Tests run the kernels on CPU with TRITON_INTERPRET=1, which
+triton reads when a kernel is decorated: set it before importing these modules.
+
+`TorchOps` picks its kernels with `select_kernels`: "auto" (the default) uses triton on a CUDA device
+where triton imports and plain torch elsewhere; "triton" forces the kernels (on CPU only under
+TRITON_INTERPRET=1: how the tests run a whole model through them); "torch" turns them off. The
+environment variable TWINFER_KERNELS overrides "auto".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+from typing import Any
+
+from twinfer.runtime.errors import BackendUnavailable
+
+KERNEL_CHOICES = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_kernels(choice: str | None, device_type: str) -> str:
+    """"triton" or "torch" for a device type ("cuda", "cpu", ...); raises BackendUnavailable when triton
+    is forced where it cannot run."""
+    choice = choice or os.environ.get("TWINFER_KERNELS") or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise BackendUnavailable(f"kernels={choice!r} is not one of {', '.join(KERNEL_CHOICES)} "
+                                 "(check TWINFER_KERNELS)")
+    if choice == "torch":
+        return "torch"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    usable = triton_available() and (device_type == "cuda" or interpreted and device_type == "cpu")
+    if choice == "auto":
+        return "triton" if usable and device_type == "cuda" else "torch"
+    if not triton_available():
+        raise BackendUnavailable("kernels='triton' needs the triton package: pip install triton")
+    if not usable:
+        raise BackendUnavailable(f"the triton kernels run on CUDA devices, not {device_type!r} "
+                                 "(on CPU set TRITON_INTERPRET=1 to interpret them, for tests)")
+    return "triton"
+
+
+def load_kernels() -> Any:
+    """The kernel entry points, imported on first use (triton compiles nothing until a launch)."""
+    from twinfer.backends.cuda.kernels.fused_moe import fused_moe
+    from twinfer.backends.cuda.kernels.paged_attention import paged_decode_attention
+    from twinfer.backends.cuda.kernels.rmsnorm import rms_norm, rms_norm_residual
+
+    return SimpleNamespace(fused_moe=fused_moe, paged_decode_attention=paged_decode_attention, rms_norm=rms_norm,
+                           rms_norm_residual=rms_norm_residual)

@@ -1,0 +1,164 @@
+"""One rank's share of a model: sharded weights, the Ops that combine them, and a pipeline step.
+
+The architecture file is unchanged: `ParallelTorchOps` recognises the sharded weights it is handed
+(row-parallel, vocab-parallel, expert shards) and adds the collective each one needs, so
+parallelism is a transform of the built model, never a flag inside `forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from twinfer.backends.cuda.ops import TorchOps
+from twinfer.backends.cuda.parallel.comm import Comm
+from twinfer.backends.cuda.parallel.dispatch import all_to_all_moe
+from twinfer.backends.cuda.parallel.layout import ParallelConfig, RankPosition
+from twinfer.backends.cuda.parallel.shard import EXPERTS, ROW, VOCAB, local_spec, owned, shard
+from twinfer.runtime.batch import StepBatch
+from twinfer.runtime.models import model_for
+from twinfer.runtime.ops import Ops
+from twinfer.runtime.spec import ModelSpec, MoESpec
+
+LOGITS_TAG = 1 << 20  # pipeline tags: micro-batch index for hidden states, this + index for logits
+
+
+@dataclass
+class Sharded:
+    """A weight slice that needs a collective after use: ROW (sum over tp), VOCAB (tp), EXPERTS (stage)."""
+
+    tensor: torch.Tensor
+    kind: str
+    offset: int = 0  # VOCAB: first token id held; EXPERTS: first expert id held
+
+
+class ParallelTorchOps(TorchOps):
+    """TorchOps whose linear, embedding and moe combine sharded weights across ranks."""
+
+    def __init__(self, spec: ModelSpec, **kwargs: Any):
+        super().__init__(spec, **kwargs)
+        self.tp = self.stage = Comm(None, [0], 0)  # set by ShardedModel.connect
+        self.config = ParallelConfig()  # set by ShardedModel: picks the MoE combine
+
+    def linear(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(w, Sharded):
+            return super().linear(x, w, bias)
+        if w.kind == ROW:  # partial sums of the input features held here
+            y = self.tp.all_reduce(F.linear(x, w.tensor))
+            return y if bias is None else y + bias
+        assert w.kind == VOCAB  # lm_head (or the tied embedding): each rank has a slice of the vocabulary
+        return self.tp.all_gather(F.linear(x, w.tensor, bias), dim=-1)
+
+    def embedding(self, table: Any, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(table, Sharded):
+            return F.embedding(ids, table)
+        n = table.tensor.shape[0]
+        local = ids - table.offset
+        held = (local >= 0) & (local < n)
+        rows = F.embedding(local.clamp(0, n - 1), table.tensor) * held[:, None].to(table.tensor.dtype)
+        return self.tp.all_reduce(rows)  # exactly one rank contributes each row
+
+    def moe(self, x: torch.Tensor, router: torch.Tensor, gate: Any, up: Any, down: Any, moe: MoESpec,
+            act: str) -> torch.Tensor:
+        if not isinstance(gate, Sharded):
+            return super().moe(x, router, gate, up, down, moe, act)
+        weights, experts = self.route(x, router, moe)  # the router is replicated: same routing everywhere
+        if self.config.ep_all_to_all(x.shape[0], moe.top_k):
+            return all_to_all_moe(self, self.stage, self.tp.size, x, weights, experts, gate.tensor, up.tensor,
+                                  down.tensor, act, gate.offset)
+        out = self.experts(x, weights, experts, gate.tensor, up.tensor, down.tensor, act, first=gate.offset)
+        return self.stage.all_reduce(out)  # combine: every expert group's and tensor rank's share
+
+
+class ShardedModel:
+    """One rank's stage of the model. Every rank calls `step` with the same batch, in the same order."""
+
+    def __init__(self, spec: ModelSpec, pos: RankPosition, names: Iterable[str], load: Callable[[str], Any],
+                 *, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int):
+        pos.config.check(spec)
+        self.spec, self.pos = spec, pos
+        self.comms: dict[str, Comm] = {}
+        self.local = local_spec(spec, pos)
+        self.ops = ParallelTorchOps(self.local, num_blocks=num_blocks, block_size=block_size, device=device,
+                                    dtype=dtype, layers=pos.layers)
+        self.ops.config = pos.config
+        self.model = model_for(self.local)
+        self.weights: dict[str, Any] = {}
+        for name in names:
+            if name == "lm_head" and spec.tie_word_embeddings or not owned(name, spec, pos):
+                continue
+            s = shard(name, np.asarray(load(name)), spec, pos)
+            t = self.ops.weight(name, s.value)
+            self.weights[name] = Sharded(t, s.kind, s.offset) if s.kind in (ROW, VOCAB, EXPERTS) else t
+        if "lm_head" in self.weights and "embed" not in self.weights:
+            self.weights["embed"] = self.weights["lm_head"]  # `Model.logits` evaluates w["embed"] as its default
+
+    def connect(self, comms: dict[str, Comm]) -> None:
+        """Attach the process groups ("control", "world", "stage", "tp") once every rank has loaded."""
+        self.comms = comms
+        self.ops.tp, self.ops.stage = comms["tp"], comms["stage"]
+
+    def micro_batches(self, batch: StepBatch) -> list[StepBatch]:
+        """Contiguous groups of chunks, one per pipeline slot, so stages overlap within a step."""
+        c = self.pos.config
+        if c.pp == 1:
+            return [batch]
+        m = min(len(batch.chunks), c.micro_batches or c.pp)
+        bounds = np.linspace(0, len(batch.chunks), m + 1).round().astype(int)
+        return [StepBatch(batch.chunks[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def step(self, batch: StepBatch) -> np.ndarray | None:
+        """Run this rank's stage over every micro-batch; rank 0 gets float32 logits, others None."""
+        pos, world = self.pos, self.comms["world"]
+        last = pos.rank_of(pos.config.pp - 1, 0, 0)  # the last stage's rank that reports logits
+        pending: list[Any] = []  # (work, tensor) pairs kept alive until their sends finish
+        out: list[torch.Tensor] = []
+        parts = self.micro_batches(batch)
+        with torch.inference_mode():
+            for i, mb in enumerate(parts):
+                x = self._stage_forward(mb, i)
+                if not pos.last_stage:
+                    x = x.contiguous()
+                    pending.append((world.send(x, pos.peer_in(pos.stage + 1), tag=i), x))
+                elif mb.num_logit_rows and pos.rank == 0:
+                    out.append(x)
+                elif mb.num_logit_rows and pos.rank == last:
+                    x = x.float().contiguous()
+                    pending.append((world.send(x, 0, tag=LOGITS_TAG + i), x))
+            if pos.rank == 0 and not pos.last_stage:
+                vocab = self.spec.vocab_size
+                for i, mb in enumerate(parts):
+                    if mb.num_logit_rows:
+                        buf = torch.empty((mb.num_logit_rows, vocab), dtype=torch.float32, device=self.ops.device)
+                        out.append(world.recv(buf, last, tag=LOGITS_TAG + i))
+            for work, _ in pending:
+                work.wait()
+        if pos.rank != 0:
+            return None
+        if not out:
+            return np.zeros((0, self.spec.vocab_size), dtype=np.float32)
+        return np.concatenate([self.ops.to_host(t) for t in out])
+
+    def _stage_forward(self, mb: StepBatch, index: int) -> torch.Tensor:
+        """Hidden states [T, C] for the next stage, or the last stage's logits [R, V]."""
+        ops, w, model, pos = self.ops, self.weights, self.model, self.pos
+        mops = cast(Ops, ops)  # Ops types its step context as a protocol, TorchOps as its own class
+        ctx = ops.begin_step(mb)
+        if pos.first_stage:
+            x = model.embed(mops, w, ctx)
+        else:
+            x = torch.empty((mb.num_tokens, self.spec.hidden_size), dtype=ops.dtype, device=ops.device)
+            self.comms["world"].recv(x, pos.peer_in(pos.stage - 1), tag=index)
+        for layer in pos.layers:
+            x = model.block(mops, w, f"layers.{layer}.", layer, x, ctx)
+        if not pos.last_stage:
+            return x
+        if not mb.num_logit_rows:  # a prefill chunk that only fills the KV cache
+            return x[:0]
+        rows = ops.select_rows(x, ctx)  # [R, C]: the norm is per row, so select first
+        return model.logits(mops, w, ops.rms_norm(rows, w["norm"], self.spec.rms_norm_eps))

@@ -1,0 +1,226 @@
+"""Quantized weights and the TurboQuant KV cache over torch.
+
+Weights (`torch_weight`): affine int8/int4 keep their codes, scales and biases and dequantize inside
+each matmul; TurboQuant weights keep codes per channel set and run `y = sum_s (x_s R_s^T) .
+(centroids[codes] * scale)`: rotate the activation blocks, then multiply by the codebook-decoded
+rotated weight. Formats with no CPU/torch kernel here (fp8, nvfp4, mxfp4) are dequantized once at
+load (their native kernels are GPU tensor-core paths).
+
+KV (`TorchTQKV`): per layer, each new key/value head vector is split into its channel sets, rotated,
+normalized and coded by the Lloyd-Max boundaries; codes (uint8) and float16 norms are what the cache
+holds. Attention never decodes back to the original basis: queries are rotated once per step (and
+sketched by `S` for QJL keys), scores are taken against `centroids[codes] * norm / sqrt(D)`, and the
+probability-weighted value sum is formed in the rotated domain and rotated back once per query.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from twinfer.quant.kv_format import ChannelSet, KVFormat, mse_sets, qjl_sketch
+from twinfer.quant.linear import QuantizedWeight, tq_linear_parts
+
+
+class TorchAffineLinear:
+    """Affine int weight (MLX layout): codes uint8 [out, in], scales/biases [out, in / g]."""
+
+    def __init__(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
+        p = qw.packed
+        self.shape = qw.shape
+        self.group = int(p.group_size)
+        self.codes = torch.from_numpy(p.codes()).to(device)
+        self.scales = torch.from_numpy(p.scales).to(device, dtype)
+        self.biases = torch.from_numpy(p.biases).to(device, dtype)
+
+    def dense(self) -> torch.Tensor:
+        out, inp = self.shape
+        q = self.codes.view(out, inp // self.group, self.group).to(self.scales.dtype)
+        return (q * self.scales[..., None] + self.biases[..., None]).view(out, inp)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dense(), bias)
+
+
+class TorchTQLinear:
+    """TurboQuant weight: activations rotated per input block, weight decoded by codebook lookup."""
+
+    def __init__(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
+        parts = tq_linear_parts(qw.packed)
+        self.shape, self.block = parts.shape, parts.block
+
+        def t(a: np.ndarray, dt: torch.dtype | None = None) -> torch.Tensor:
+            return torch.from_numpy(np.array(a, copy=True)).to(device, dt)
+
+        self.channels = [t(c) for c in parts.channels]  # [G, d_s]
+        self.rotation = [t(r, dtype) for r in parts.rotation]  # [D_s, d_s]
+        self.codes = [t(c) for c in parts.codes]  # uint8 [out, G, D_s]
+        self.scales = [t(s, dtype) for s in parts.scales]  # [out, G]
+        self.centroids = [t(c, dtype) for c in parts.centroids]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out, inp = self.shape
+        lead = x.shape[:-1]
+        G = inp // self.block
+        xb = x.reshape(-1, G, self.block)  # [M, G, block]
+        y = None
+        for idx, rot, codes, scale, cent in zip(
+            self.channels, self.rotation, self.codes, self.scales, self.centroids, strict=True
+        ):
+            xs = torch.gather(xb, 2, idx[None].expand(xb.shape[0], -1, -1))  # [M, G, d_s]
+            xr = xs @ rot.T  # [M, G, D_s]
+            wr = cent[codes.long()] * scale[..., None]  # [out, G, D_s]: the codebook lookup
+            part = xr.reshape(xr.shape[0], -1) @ wr.reshape(out, -1).T  # [M, out]
+            y = part if y is None else y + part
+        assert y is not None
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, out)
+
+
+def torch_weight(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> Any:
+    """The torch form of a quantized weight: a callable linear, or a dense tensor."""
+    if qw.fmt in ("int8", "int4"):
+        return TorchAffineLinear(qw, device, dtype)
+    if qw.fmt.startswith("tq"):
+        return TorchTQLinear(qw, device, dtype)
+    return torch.from_numpy(qw.dequantize()).to(device, dtype)
+
+
+# -- KV cache --------------------------------------------------------------------------------------
+class _CodedSets:
+    """One side (keys or values) of a layer's cache under TurboQuant-MSE channel sets."""
+
+    def __init__(self, sets: tuple[ChannelSet, ...], slots: int, heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype, centered: bool = False):
+        self.sets = sets
+        self.centered = centered
+        self.mean: torch.Tensor | None = None  # [Hkv, D], fixed at the first write when centered
+        self.heads, self.head_dim, self.dtype = heads, head_dim, dtype
+        self.rot = [torch.from_numpy(s.rotation).to(device, dtype) for s in sets]  # [D_s, d_s]
+        self.cent = [torch.from_numpy(s.centroids).to(device, dtype) for s in sets]
+        self.bounds = [torch.from_numpy(s.boundaries).to(device, dtype) for s in sets]
+        self.codes = [torch.zeros((slots, heads, s.padded_dim), dtype=torch.uint8, device=device) for s in sets]
+        self.norms = [torch.zeros((slots, heads), dtype=torch.float16, device=device) for _ in sets]
+        self.channels: list[torch.Tensor] | None = None  # [Hkv, d_s] per set, fixed at the first write
+        if len(sets) == 1:
+            self.channels = [torch.arange(head_dim, device=device).expand(heads, head_dim)]
+
+    def _calibrate(self, x: torch.Tensor) -> None:
+        if len(self.sets) == 1:
+            return
+        rms = x.float().pow(2).mean(0)  # [Hkv, D]
+        order = torch.argsort(rms, dim=-1, descending=True, stable=True)
+        n_hi = self.sets[0].dim
+        self.channels = [order[:, :n_hi].sort(-1).values, order[:, n_hi:].sort(-1).values]
+
+    def write(self, x: torch.Tensor, slots: torch.Tensor) -> None:
+        """Code x [T, Hkv, D] into the given cache slots."""
+        if self.centered:
+            if self.mean is None:
+                self.mean = x.to(self.dtype).mean(0)
+            x = x.to(self.dtype) - self.mean
+        if self.channels is None:
+            self._calibrate(x)
+        assert self.channels is not None
+        T = x.shape[0]
+        for i, s in enumerate(self.sets):
+            xs = torch.gather(x.to(self.dtype), 2, self.channels[i][None].expand(T, -1, -1))  # [T, Hkv, d_s]
+            norm = xs.float().norm(dim=-1)  # [T, Hkv]
+            unit = xs / torch.where(norm > 0, norm, 1.0)[..., None].to(xs.dtype)
+            z = (unit @ self.rot[i].T) * math.sqrt(s.padded_dim)  # [T, Hkv, D_s]
+            self.codes[i].index_copy_(0, slots, torch.bucketize(z, self.bounds[i]).to(torch.uint8))
+            self.norms[i].index_copy_(0, slots, norm.to(torch.float16))
+
+    def rotated(self, kv_slots: torch.Tensor) -> torch.Tensor:
+        """Decoded vectors of the gathered slots in the rotated domain: [B, L, Hkv, sum D_s]."""
+        out = []
+        for i, s in enumerate(self.sets):
+            scale = self.norms[i][kv_slots].to(self.dtype) / math.sqrt(s.padded_dim)  # [B, L, Hkv]
+            out.append(self.cent[i][self.codes[i][kv_slots].long()] * scale[..., None])
+        return torch.cat(out, dim=-1)
+
+    def rotate_queries(self, q: torch.Tensor, group: int) -> torch.Tensor:
+        """Queries [..., H, D] into the rotated domain of their KV head: [..., H, sum D_s]."""
+        assert self.channels is not None
+        out = []
+        for i in range(len(self.sets)):
+            idx = self.channels[i].repeat_interleave(group, dim=0)  # [H, d_s]
+            qs = torch.gather(q, -1, idx.expand(*q.shape[:-1], -1))
+            out.append(qs @ self.rot[i].T)
+        return torch.cat(out, dim=-1)
+
+    def unrotate(self, y: torch.Tensor, group: int) -> torch.Tensor:
+        """Rotated-domain outputs [..., H, sum D_s] back to [..., H, D] (each set to its channels)."""
+        assert self.channels is not None
+        out = torch.zeros((*y.shape[:-1], self.head_dim), dtype=y.dtype, device=y.device)
+        start = 0
+        for i, s in enumerate(self.sets):
+            piece = y[..., start : start + s.padded_dim] @ self.rot[i]  # [..., H, d_s]
+            start += s.padded_dim
+            idx = self.channels[i].repeat_interleave(group, dim=0)
+            out.scatter_(-1, idx.expand(*y.shape[:-1], -1), piece)
+        if self.mean is not None:  # attention weights sum to 1, so the value mean comes back whole
+            out = out + self.mean.repeat_interleave(group, dim=0)
+        return out
+
+
+class _QJLKeys:
+    """Keys under TurboQuant-prod: (bits - 1)-bit MSE codes plus a 1-bit QJL sketch of the residual."""
+
+    def __init__(self, bits: int, slots: int, heads: int, head_dim: int, seed: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.mse = _CodedSets(mse_sets(bits - 1, head_dim, seed), slots, heads, head_dim, device, dtype)
+        self.sketch = torch.from_numpy(qjl_sketch(head_dim, bits, seed)).to(device, dtype)  # [D, D]
+        self.signs = torch.zeros((slots, heads, head_dim), dtype=torch.int8, device=device)
+        self.res_norms = torch.zeros((slots, heads), dtype=torch.float16, device=device)
+        self.head_dim = head_dim
+
+    def write(self, x: torch.Tensor, slots: torch.Tensor) -> None:
+        self.mse.write(x, slots)
+        decoded = self.mse.unrotate(self.mse.rotated(slots[None])[0], 1)  # [T, Hkv, D]
+        r = x.to(decoded.dtype) - decoded
+        self.signs.index_copy_(0, slots, torch.where(r @ self.sketch.T >= 0, 1, -1).to(torch.int8))
+        self.res_norms.index_copy_(0, slots, r.float().norm(dim=-1).to(torch.float16))
+
+    def rotated(self, kv_slots: torch.Tensor) -> torch.Tensor:
+        scale = self.res_norms[kv_slots].to(self.mse.dtype) * (math.sqrt(math.pi / 2) / self.head_dim)
+        sketch = self.signs[kv_slots].to(self.mse.dtype) * scale[..., None]
+        return torch.cat([self.mse.rotated(kv_slots), sketch], dim=-1)
+
+    def rotate_queries(self, q: torch.Tensor, group: int) -> torch.Tensor:
+        return torch.cat([self.mse.rotate_queries(q, group), q @ self.sketch.T], dim=-1)
+
+
+class TorchTQKV:
+    """A layer's KV cache under a TurboQuant KVFormat (see the module docstring)."""
+
+    def __init__(self, fmt: KVFormat, layer: int, slots: int, heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        fmt.check_head_dim(head_dim)
+        seed = fmt.seed + 2 * layer
+        self.keys: _CodedSets | _QJLKeys
+        if fmt.qjl:
+            self.keys = _QJLKeys(int(fmt.rate), slots, heads, head_dim, seed, device, dtype)
+        else:
+            self.keys = _CodedSets(mse_sets(fmt.rate, head_dim, seed), slots, heads, head_dim, device, dtype,
+                                   fmt.centered)
+        self.values = _CodedSets(mse_sets(fmt.rate, head_dim, seed + 1), slots, heads, head_dim, device, dtype,
+                                 fmt.centered)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any,
+                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Store k, v [T, Hkv, D]; attend q [T, H, D] over the coded cache -> [T, H, D]."""
+        self.keys.write(k, ctx.slots)
+        self.values.write(v, ctx.slots)
+        group = q.shape[1] // k.shape[1]
+        Q = self.keys.rotate_queries(q, group)[ctx.q_index].transpose(1, 2)  # [B, H, Tq, Dk']
+        K = self.keys.rotated(ctx.kv_slots).transpose(1, 2)  # [B, Hkv, L, Dk']
+        V = self.values.rotated(ctx.kv_slots).transpose(1, 2)  # [B, Hkv, L, Dv']
+        out = F.scaled_dot_product_attention(Q.to(K.dtype), K, V, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = out.transpose(1, 2)[ctx.q_valid]  # [T, H, Dv']
+        return self.values.unrotate(out, group).to(q.dtype)  # [T, H, D]

@@ -1,0 +1,105 @@
+"""Expert streaming over MLX: the array math of `runtime.experts.StreamingOps` and the runner builder.
+
+Routing is `MlxOps`'s (float32 softmax, top-k, renormalized). Each expert's contribution is
+evaluated as soon as it is added, so an evicted expert's buffer is freed before the next one is read
+(a lazy graph would otherwise hold every expert a step touched until the step's final eval).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from twinfer.backends.metal.ops import MlxOps, mlx_dtype
+from twinfer.backends.metal.runner import _wire_working_set
+from twinfer.runtime.experts import (
+    ExpertCache,
+    ExpertHandle,
+    ExpertReader,
+    StreamingOps,
+    expert_params,
+    is_expert_weight,
+    release_pages,
+)
+from twinfer.runtime.ops import Ops
+from twinfer.runtime.runner import KVLayout, OpsRunner
+from twinfer.runtime.spec import MoESpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders import LoadedModel
+
+
+class MlxStreamingOps(StreamingOps):
+    inner: MlxOps
+
+    def _route(self, x: mx.array, router: mx.array, moe: MoESpec) -> tuple[mx.array, np.ndarray]:
+        probs = mx.softmax((x @ router.T).astype(mx.float32), axis=-1, precise=True)  # [T, E]
+        k = moe.top_k
+        experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]
+        weights = mx.take_along_axis(probs, experts, axis=-1)
+        if moe.norm_topk_prob or not moe.router_softmax_before_topk:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        weights = weights.astype(x.dtype)
+        mx.eval(weights, experts)  # streaming's one wait per MoE layer: the host needs the expert ids
+        return weights, np.array(experts)
+
+    def _predict(self, x: mx.array, router: mx.array, k: int) -> list[int]:
+        scores = mx.softmax((x @ router.T).astype(mx.float32), axis=-1).mean(axis=0)  # [E]
+        order = np.argsort(-np.array(scores), kind="stable")
+        return [int(e) for e in order[:k]]
+
+    def _expert_out(self, out: mx.array | None, x: mx.array, tok: np.ndarray, slot: np.ndarray,
+                    weights: mx.array, gate: mx.array, up: mx.array, down: mx.array, act: str) -> mx.array:
+        if out is None:
+            out = mx.zeros_like(x)
+        rows = mx.array(tok.astype(np.int32))
+        w = weights[rows, mx.array(slot.astype(np.int32))]  # [n]
+        h = mx.take(x, rows, axis=0)
+        y = self.inner.act(h @ gate.T, act) * (h @ up.T)
+        out = out.at[rows].add((y @ down.T) * w[:, None])
+        mx.eval(out)
+        return out
+
+
+def load_streaming_mlx_runner(
+    loaded: LoadedModel,
+    *,
+    cache_bytes: int,
+    kv_tokens: int = 4096,
+    block_size: int = 16,
+    dtype: str | mx.Dtype = "float32",
+    prefetch: bool = True,
+) -> OpsRunner:
+    """An MLX runner whose routed experts stay in the file behind an LRU cache of `cache_bytes`."""
+    spec, w = loaded.spec, loaded.weights
+    assert spec.moe is not None
+    _wire_working_set()
+    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
+    ops = MlxOps(spec, num_blocks=kv.num_blocks, block_size=block_size, dtype=dtype)
+    weights: dict[str, Any] = {}
+    for name in w.names():
+        if name == "lm_head" and spec.tie_word_embeddings:
+            continue
+        if is_expert_weight(name):
+            layer, part = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+            weights[name] = ExpertHandle(layer, part, w.shape(name))
+        else:
+            weights[name] = ops.weight(name, w.load(name))
+            mx.eval(weights[name])
+    cache = ExpertCache(
+        ExpertReader(w), lambda a: _device(ops, a), cache_bytes,
+        expert_params(spec) * mlx_dtype(dtype).size, spec.moe.top_k, prefetch_enabled=prefetch,
+        on_evict=mx.clear_cache,  # hand freed expert buffers back instead of keeping them in MLX's pool
+    )
+    release_pages(w, [n for n in w.names() if not is_expert_weight(n)])
+    routers = {i: weights[f"layers.{i}.router"] for i in range(spec.num_layers) if spec.is_moe_layer(i)}
+    sops = MlxStreamingOps(ops, cache, routers, spec)
+    return OpsRunner(spec, cast(Ops, sops), weights, kv, backend="mlx")
+
+
+def _device(ops: MlxOps, host: np.ndarray) -> mx.array:
+    arr = ops.weight("expert", host)
+    mx.eval(arr)  # materialize now, so the host copy can go
+    return arr

@@ -1,0 +1,15 @@
+"""`twinfer prune`: remove the least influential layers (and experts), write the model, report its KL."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from twinfer.quant.prune import prune_model
+
+
+def run_prune(model: str | None, out: str, layers: int, experts: int, corpus: str, tokens: int, window: int,
+              backend: str, kl_tokens: int, json_out: bool) -> None:
+    result = prune_model(model, out, layers, experts, corpus, tokens, window, backend, kl_tokens)
+    typer.echo(json.dumps(result.as_dict()) if json_out else "\n".join(result.lines()))

@@ -1,0 +1,160 @@
+"""`twinfer quantize`: choose a weight format per tensor at a bit budget, write a quantized folder.
+
+Without --search every layer projection gets the best format in --formats that fits the budget.
+With --search, per-group sensitivities are measured and combined (quant/search.py). The folder
+records the KL it was measured at (against the unquantized model on the torch backend, fp32), plus
+the KL of a short verification window that `twinfer quantize FOLDER --verify` re-checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+
+from twinfer.runtime.errors import TwinferError
+
+DEFAULT_FORMATS = "tq2,tq2.5,tq3,tq3.5,tq4,int4,int8"
+VERIFY_TOKENS = 64
+REGRESSION = 1.25  # --verify warns when the re-measured KL exceeds the recorded one by this factor
+
+
+def run_quantize(model: str | None, out: str | None, budget: float | None, formats: str, search: bool,
+                 tokens: int, corpus: str, granularity: str, verify: bool, json_out: bool) -> None:
+    if verify:
+        if model is None:
+            raise TwinferError("--verify needs the quantized folder as MODEL")
+        report = verify_folder(Path(model))
+        typer.echo(json.dumps(report) if json_out else _verify_line(report))
+        return
+    if out is None or budget is None:
+        raise TwinferError("twinfer quantize needs --out DIR and --budget BITS_PER_WEIGHT")
+    summary = quantize(model, Path(out), budget, [f.strip() for f in formats.split(",") if f.strip()],
+                       search, tokens, corpus, granularity, log=lambda m: print(m, file=sys.stderr))
+    typer.echo(json.dumps(summary) if json_out else _summary_lines(summary))
+
+
+def quantize(model: str | None, out: Path, budget: float, formats: list[str], search: bool, tokens: int,
+             corpus: str, granularity: str, log: Any = None) -> dict[str, Any]:
+    """Pick the assignment, write `out`, measure the written folder; returns the recorded summary."""
+    from twinfer.quant.fidelity import corpus_windows
+    from twinfer.quant.linear import check_format
+    from twinfer.quant.model_io import (
+        QuantizedView,
+        average_bits,
+        quantizable,
+        update_config,
+        write_quantized,
+    )
+    from twinfer.quant.registry import FORMATS
+    from twinfer.quant.search import FormatSearch, KLProbe
+    from twinfer.runtime.load import resolve_path
+    from twinfer.runtime.loaders import load_model
+
+    try:
+        for f in formats:
+            check_format(f)
+    except ValueError as e:
+        raise TwinferError(f"--formats: {e}") from e
+    if tokens < 16:
+        raise TwinferError("--tokens must be at least 16")
+    source = resolve_path(model)
+    loaded = load_model(source)
+    if loaded.format == "quantized":
+        raise TwinferError(f"{source} is already quantized; quantize its source model instead")
+    names = quantizable(loaded.weights)
+    if not names:
+        raise TwinferError(f"{source} has no layer projections twinfer can quantize")
+    windows = list(corpus_windows(model, corpus, tokens, min(256, tokens)))
+    probe = KLProbe(loaded.spec, loaded.weights, windows)
+    if search:
+        try:
+            result = FormatSearch(probe, formats, granularity, log=log).search(budget)
+        except ValueError as e:
+            raise TwinferError(str(e)) from e
+        assignment, history = result.assignment, result.history
+    else:
+        fitting = [f for f in formats if FORMATS[f] <= budget + 1e-9]
+        if not fitting:
+            cheapest = min(formats, key=lambda f: FORMATS[f])
+            raise TwinferError(f"budget {budget} is below every format in --formats (cheapest: {cheapest}, "
+                               f"{FORMATS[cheapest]:.3f} bits per weight)")
+        best = max(fitting, key=lambda f: FORMATS[f])
+        assignment, history = dict.fromkeys(names, best), []
+    view = QuantizedView(loaded.weights, assignment)
+    write_quantized(out, loaded.spec, view, source.resolve(), {"budget": budget, "search": search})
+    kl = _measure_folder(out, source, windows)
+    short = {**_measure_folder(out, source, [windows[0][:VERIFY_TOKENS]]), "window": windows[0][:VERIFY_TOKENS]}
+    summary = {
+        "out": str(out), "source": str(source), "bits_per_weight": average_bits(loaded.weights, assignment),
+        "formats": _counts(assignment), "kl": kl, "verify": short,
+        "history": [list(h) for h in history],
+    }
+    update_config(out, kl=kl, verify=short, history=summary["history"])
+    return summary
+
+
+def _measure_folder(folder: Path, source: Path, windows: list[list[int]]) -> dict[str, Any]:
+    """KL(source fp32 || folder as loaded, both on torch) on `windows`."""
+    from twinfer.backends.cuda.runner import build_torch_runner, load_torch_runner
+    from twinfer.quant.fidelity import RunnerSource
+    from twinfer.quant.kl import KLAccumulator
+    from twinfer.runtime.loaders import load_model
+
+    ctx = max(64, -(-max(len(w) for w in windows) // 16) * 16)
+    src = load_model(source)
+    ref = RunnerSource(build_torch_runner(src.spec, src.weights, kv_tokens=ctx))
+    cand = RunnerSource(load_torch_runner(load_model(folder), kv_tokens=ctx))
+    acc = KLAccumulator()
+    for w in windows:
+        acc.add(ref.logits(w)[:-1], cand.logits(w)[:-1], np.asarray(w[1:]))
+    r = acc.report(str(source), str(folder), "")
+    return {"mean_kl": r.mean_kl, "p99_kl": r.p99_kl, "same_top_p": r.top1_agreement, "tokens": r.tokens}
+
+
+def verify_folder(folder: Path) -> dict[str, Any]:
+    """Re-measure the recorded verification window; warn when KL regressed past REGRESSION x recorded."""
+    from twinfer.runtime.loaders.quantized import is_quantized_folder
+
+    if not is_quantized_folder(folder):
+        raise TwinferError(f"{folder} is not a twinfer quantized folder (no quantization_config in config.json)")
+    qc = json.loads((folder / "config.json").read_text(encoding="utf-8"))["quantization_config"]
+    recorded = qc.get("verify")
+    source = Path(qc.get("source", ""))
+    if not recorded or "window" not in recorded or not source.exists():
+        raise TwinferError(f"{folder} records no verification window or its source {source} is gone; "
+                           "re-run twinfer quantize")
+    now = _measure_folder(folder, source, [[int(t) for t in recorded["window"]]])
+    regressed = now["mean_kl"] > recorded["mean_kl"] * REGRESSION + 1e-6
+    if regressed:
+        warnings.warn(f"{folder}: KL regressed from {recorded['mean_kl']:.5f} to {now['mean_kl']:.5f} "
+                      "on the verification window", stacklevel=2)
+    return {"folder": str(folder), "recorded_kl": recorded["mean_kl"], "measured_kl": now["mean_kl"],
+            "regressed": regressed}
+
+
+def _counts(assignment: dict[str, str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in assignment.values():
+        out[f] = out.get(f, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _summary_lines(s: dict[str, Any]) -> str:
+    kl = s["kl"]
+    return "\n".join([
+        f"wrote {s['out']}: {s['bits_per_weight']:.3f} bits per weight over the layer projections",
+        "  formats " + ", ".join(f"{f} x{n}" for f, n in s["formats"].items()),
+        f"  KL vs {s['source']}: mean {kl['mean_kl']:.6f}, p99 {kl['p99_kl']:.6f}, "
+        f"same top p {100 * kl['same_top_p']:.2f} % on {kl['tokens']} tokens",
+    ])
+
+
+def _verify_line(r: dict[str, Any]) -> str:
+    state = "REGRESSED" if r["regressed"] else "ok"
+    return f"{r['folder']}: verification KL {r['measured_kl']:.6f} (recorded {r['recorded_kl']:.6f}) {state}"

@@ -1,0 +1,205 @@
+"""Pruning: remove the transformer blocks (and MoE experts) that change the model least.
+
+Layers are ranked by *block influence* (ShortGPT, Men et al. 2024): 1 - cos(input, output) of each
+block's hidden states, averaged over tokens of a corpus. A block whose output nearly equals its input
+does little, so removing it costs the least. Experts are ranked per layer by how much routing mass
+they receive on the corpus: sum over tokens of the renormalized gate weight (routing frequency x gate
+weight). The pruned model is written in the input's format (see `prune_write.py`), so every backend
+that ran the original runs the pruned one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+from twinfer.runtime.errors import TwinferError
+from twinfer.runtime.runner import OpsRunner, Runner
+from twinfer.runtime.spec import ModelSpec
+
+
+@dataclass
+class Influence:
+    """Per-layer block influence and, for MoE models, per-layer expert routing mass."""
+
+    layers: np.ndarray  # [L] mean 1 - cos(block input, block output)
+    experts: np.ndarray | None = None  # [L, E] routing mass per token (rows of dense layers are 0)
+    tokens: int = 0
+
+    def layer_order(self) -> list[int]:
+        """Layers from least to most influential."""
+        return [int(i) for i in np.argsort(self.layers, kind="stable")]
+
+    def layers_to_remove(self, n: int) -> list[int]:
+        """The `n` least influential layers, in layer order."""
+        L = len(self.layers)
+        if not 0 <= n < L:
+            raise TwinferError(f"cannot remove {n} of {L} layers: keep at least one (0 <= --layers < {L})")
+        return sorted(self.layer_order()[:n])
+
+    def experts_to_keep(self, n_remove: int) -> dict[int, list[int]]:
+        """Per MoE layer, the experts left after removing the `n_remove` with the least routing mass."""
+        if self.experts is None:
+            if n_remove:
+                raise TwinferError("--experts prunes routed experts, and this model has none")
+            return {}
+        E = self.experts.shape[1]
+        return {layer: sorted(int(e) for e in np.argsort(-row, kind="stable")[: E - n_remove])
+                for layer, row in enumerate(self.experts) if row.any()}
+
+
+class _RouterRecorder:
+    """Wraps Ops: records each MoE layer's routing mass, then runs the backend's own `moe`."""
+
+    def __init__(self, inner: Any, spec: ModelSpec, mass: np.ndarray):
+        self.inner, self.spec, self.mass = inner, spec, mass
+        self.moe_layers = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def moe(self, x: Any, router: Any, gate: Any, up: Any, down: Any, moe: Any, act: str) -> Any:
+        logits = self.inner.to_host(self.inner.linear(x, router)).astype(np.float64)  # [T, E]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, : moe.top_k]  # [T, k]
+        weights = np.take_along_axis(probs, top, axis=-1)
+        if moe.norm_topk_prob or not moe.router_softmax_before_topk:
+            weights /= weights.sum(-1, keepdims=True)
+        layer = self.moe_layers[self.calls % len(self.moe_layers)]
+        np.add.at(self.mass[layer], top.ravel(), weights.ravel())
+        self.calls += 1
+        return self.inner.moe(x, router, gate, up, down, moe, act)
+
+
+@dataclass
+class _Acc:
+    cos_gap: np.ndarray
+    tokens: int = 0
+    mass: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+def measure_influence(runner: Runner, windows: list[list[int]]) -> Influence:
+    """Block influence (and expert routing mass) of an Ops runner over teacher-forced `windows`."""
+    if not isinstance(runner, OpsRunner):
+        raise TwinferError("measuring block influence needs the torch or mlx backend (--backend torch)")
+    spec = runner.spec
+    E = spec.moe.num_experts if spec.moe else 0
+    acc = _Acc(np.zeros(spec.num_layers), mass=np.zeros((spec.num_layers, E)))
+    ops = _RouterRecorder(runner.ops, spec, acc.mass) if spec.moe else runner.ops
+    for seq, tokens in enumerate(windows, start=1):
+        _score_window(runner, ops, seq, tokens, acc)
+    if acc.tokens == 0:
+        raise TwinferError("no tokens were scored: give a longer corpus or more --tokens")
+    experts = acc.mass / acc.tokens if spec.moe else None
+    return Influence(acc.cos_gap / acc.tokens, experts, acc.tokens)
+
+
+def _score_window(runner: OpsRunner, ops: Any, seq: int, tokens: list[int], acc: _Acc) -> None:
+    bs = runner.kv.block_size
+    table = list(range(-(-len(tokens) // bs)))
+    ctx = ops.begin_step(StepBatch([SeqChunk(seq, tokens, 0, table, LogitsWanted.NONE)]))
+    model, w = runner.model, runner.weights
+    x = model.embed(ops, w, ctx)
+    before = ops.to_host(x).astype(np.float64)
+    for layer in range(runner.spec.num_layers):
+        x = model.block(ops, w, f"layers.{layer}.", layer, x, ctx)
+        after = ops.to_host(x).astype(np.float64)  # [T, C]
+        dot = (before * after).sum(-1)
+        norms = np.linalg.norm(before, axis=-1) * np.linalg.norm(after, axis=-1)
+        acc.cos_gap[layer] += float((1.0 - dot / np.maximum(norms, 1e-30)).sum())
+        before = after
+    acc.tokens += len(tokens)
+    runner.release(seq)
+
+
+# -- the whole command -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PruneResult:
+    """What `prune_model` removed, where it wrote the model, and what it costs in KL."""
+
+    source: str
+    out: str
+    removed_layers: tuple[int, ...]
+    kept_layers: tuple[int, ...]
+    removed_experts: int
+    influence: tuple[float, ...]
+    scored_tokens: int
+    kl: Any = None  # a quant.kl.KLReport, when measured
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "kl"}
+        out["kl"] = self.kl.as_dict() if self.kl is not None else None
+        return out
+
+    def lines(self) -> list[str]:
+        lines = [f"pruned {self.source} -> {self.out}",
+                 f"  removed layers {list(self.removed_layers) or 'none'} (block influence "
+                 + ", ".join(f"{self.influence[i]:.4f}" for i in self.removed_layers) + ")"
+                 if self.removed_layers else "  removed no layers"]
+        if self.removed_experts:
+            lines.append(f"  removed {self.removed_experts} experts per MoE layer (least routing mass)")
+        if self.kl is not None:
+            lines += self.kl.lines()
+        return lines
+
+
+def output_path(source: Path, out: Path, fmt: str, n_layers: int) -> Path:
+    """Where the pruned model goes: a .gguf `--out` is the file; otherwise a file or folder inside it."""
+    if fmt == "gguf":
+        if out.suffix == ".gguf":
+            return out
+        out.mkdir(parents=True, exist_ok=True)
+        return out / f"{source.stem}-{n_layers}L.gguf"
+    return out
+
+
+def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, corpus: str = "prose",
+                tokens: int = 512, window: int = 256, backend: str = "torch", kl_tokens: int = 512,
+                kl_reference: str | None = None) -> PruneResult:
+    """Measure influence on the corpus, remove `layers` blocks and `experts` experts per MoE layer,
+    write the model next to `out`, and report KL(original || pruned) on `kl_tokens` tokens (0: skip)."""
+    from twinfer.quant.fidelity import corpus_windows, measure_kl
+    from twinfer.quant.prune_write import write_pruned_gguf, write_pruned_hf
+    from twinfer.runtime.load import open_model, resolve_path
+    from twinfer.runtime.loaders import load_model
+
+    if layers < 0 or experts < 0:
+        raise TwinferError("--layers and --experts count what to remove: give numbers >= 0")
+    if layers == 0 and experts == 0:
+        raise TwinferError("nothing to prune: give --layers N and/or --experts N")
+    src = resolve_path(model)
+    loaded = load_model(src)
+    spec = loaded.spec
+    if layers >= spec.num_layers:
+        raise TwinferError(f"cannot remove {layers} of {spec.num_layers} layers: keep at least one "
+                           f"(0 <= --layers < {spec.num_layers})")
+    if experts and spec.moe is None:
+        raise TwinferError("--experts prunes routed experts, and this model has none")
+    if spec.moe is not None and experts >= spec.moe.num_experts - spec.moe.top_k + 1:
+        raise TwinferError(f"cannot remove {experts} of {spec.moe.num_experts} experts: keep at least top_k="
+                           f"{spec.moe.top_k}")
+    windows = list(corpus_windows(model, corpus, tokens, window))
+    runner = open_model(model, backend, max_seqs=2, ctx=max(256, window + 16)).runner
+    influence = measure_influence(runner, windows)
+    del runner
+    removed = influence.layers_to_remove(layers)
+    keep = [i for i in range(spec.num_layers) if i not in removed]
+    keep_experts = {i: e for i, e in influence.experts_to_keep(experts).items() if i in keep} if experts else {}
+    dest = output_path(src, Path(out).expanduser(), loaded.format, len(keep))
+    if loaded.format == "gguf":
+        write_pruned_gguf(src, dest, spec, keep, keep_experts)
+    else:
+        write_pruned_hf(src, dest, keep, keep_experts)
+    load_model(dest)  # the written model must load: fail here, not in the user's next command
+    report = None
+    if kl_tokens > 0:
+        ref = kl_reference or ("llamacpp" if loaded.format == "gguf" else backend)
+        report = measure_kl(model, ref, str(dest), corpus, kl_tokens, window)
+    return PruneResult(str(src), str(dest), tuple(removed), tuple(keep), experts,
+                       tuple(float(v) for v in influence.layers), influence.tokens, report)

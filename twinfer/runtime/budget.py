@@ -1,0 +1,251 @@
+"""`--memory-budget`: ask for a local strategy that fits, apply it, and say what was chosen.
+
+Two kinds of runner, two ways to fit:
+
+- llama.cpp (GGUF): the planner (`planners.plan.make_plan`) picks the weight format and KV-cache type
+  for a device whose memory is the budget. A format other than the file's own is made with
+  llama.cpp's quantizer (`llama_model_quantize`, cached next to the model's cache dir); the KV type
+  is passed to the runner. Pruning, the planner's last resort, runs only with `allow_pruning`.
+- torch / MLX: the weights' bytes as the runner holds them are exact, so the choice is made here:
+  the runner's default dtype, then half precision, then, for MoE models at batch 1, full precision
+  with routed experts streamed from the file through a cache sized to the rest of the budget
+  (runtime/experts.py), then pruned layers when allowed. A batch of more than one sequence reaches
+  most experts every step, so it keeps every expert resident.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from twinfer.runtime.errors import PlanError
+from twinfer.runtime.experts import is_expert_weight, plan_expert_budget
+from twinfer.runtime.load import OpenedModel, choose_backend, resolve_path
+from twinfer.runtime.loaders import LoadedModel, load_model
+
+# mix name -> llama.cpp LLAMA_FTYPE_* attribute of the formats the llama.cpp quantizer writes
+_FTYPES = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q6_k": "MOSTLY_Q6_K", "q5_k_m": "MOSTLY_Q5_K_M",
+           "q4_k_m": "MOSTLY_Q4_K_M", "q4_0": "MOSTLY_Q4_0", "iq4_xs": "MOSTLY_IQ4_XS",
+           "q3_k_m": "MOSTLY_Q3_K_M", "q2_k": "MOSTLY_Q2_K"}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class LocalStrategy:
+    """What `--memory-budget` chose, in terms a runner applies."""
+
+    budget: int
+    backend: str
+    weights: str  # "as stored", a GGUF mix, or the runner dtype
+    kv: str
+    dtype: str | None = None  # torch / MLX runner dtype
+    kv_type: str | None = None  # llama.cpp cache type
+    requantize: str | None = None  # GGUF mix to requantize to
+    expert_cache_bytes: int | None = None
+    prune_layers: int = 0
+    predicted_bytes: int = 0
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+    expected_kl: float | None = None
+
+    def summary(self) -> str:
+        """One paragraph: what was chosen, what it costs, and why."""
+        mb = 1e6
+        parts = [f"memory budget {self.budget / mb:.0f} MB: running {self.backend} with weights {self.weights}, "
+                 f"KV cache {self.kv}"]
+        if self.expert_cache_bytes is not None:
+            parts.append(f"routed experts streamed from the file through a {self.expert_cache_bytes / mb:.0f} MB "
+                         "LRU cache with next-layer prefetch")
+        if self.prune_layers:
+            parts.append(f"{self.prune_layers} least influential layers pruned")
+        text = "; ".join(parts) + f" (about {self.predicted_bytes / mb:.0f} MB)."
+        if self.reasons:
+            text += " " + " ".join(r.rstrip(".") + "." for r in self.reasons)
+        if self.expected_kl is not None:
+            text += f" Expected KL against the unconstrained model: about {self.expected_kl:.4f} nats."
+        return text
+
+
+def parse_budget(text: str | int) -> int:
+    from twinfer.planners.units import parse_bytes
+
+    budget = parse_bytes(text)
+    if budget <= 0:
+        raise PlanError(f"--memory-budget must be positive, got {text!r}")
+    return budget
+
+
+# -- torch / MLX -------------------------------------------------------------------------------------
+def _ops_bytes(loaded: LoadedModel, dtype_bytes: int, ctx: int, max_seqs: int = 1, experts: bool = True) -> int:
+    spec, w = loaded.spec, loaded.weights
+    total = 0
+    for name in w.names():
+        if (name == "lm_head" and spec.tie_word_embeddings) or (not experts and is_expert_weight(name)):
+            continue
+        total += math.prod(w.shape(name)) * dtype_bytes
+    kv = ctx * spec.num_layers * 2 * spec.kv_size * dtype_bytes
+    act = 512 * 16 * spec.hidden_size * 4 + max_seqs * spec.vocab_size * 4  # a prefill chunk, a row of logits each
+    return total + kv + act
+
+
+def ops_strategy(loaded: LoadedModel, backend: str, budget: int, ctx: int, max_seqs: int,
+                 allow_pruning: bool) -> LocalStrategy:
+    """The torch/MLX strategy for `budget`, most faithful first: float32; float32 with experts
+    streamed (lossless, batch 1); half precision (rounding); half precision with layers pruned."""
+    spec = loaded.spec
+    half = "bfloat16"  # float16 overflows in Gemma-style activations (NaN logits on MLX in our runs)
+    need32 = _ops_bytes(loaded, 4, ctx, max_seqs)
+    if need32 <= budget:
+        return LocalStrategy(budget, backend, "float32", "float32", dtype="float32", predicted_bytes=need32)
+    if spec.moe is not None:
+        split = plan_expert_budget(loaded.weights, budget, 4, ctx)
+        per_expert = split.expert_bytes_total // _n_experts(loaded)
+        if split.cache_bytes >= spec.moe.top_k * per_expert:
+            why: tuple[str, ...] = (f"Every expert resident would need {need32 / 1e6:.0f} MB; a token reads only "
+                                    f"its top-{spec.moe.top_k} experts per layer, so the rest stay in the file "
+                                    "(lossless).",)
+            if max_seqs > 1:
+                why += ("Steps with several sequences reach most experts and run slower than batch 1.",)
+            return LocalStrategy(budget, backend, "float32", "float32", dtype="float32",
+                                 expert_cache_bytes=split.cache_bytes, predicted_bytes=budget, reasons=why)
+    need16 = _ops_bytes(loaded, 2, ctx, max_seqs)
+    if need16 <= budget:
+        why = (f"float32 weights need {need32 / 1e6:.0f} MB, so they are held in {half} (rounding only).",)
+        return LocalStrategy(budget, backend, half, half, dtype=half, predicted_bytes=need16, reasons=why)
+    per_layer = _layer_bytes(loaded, 2)
+    drop = -(-(need16 - budget) // max(1, per_layer))
+    if allow_pruning and 0 < drop <= spec.num_layers // 2:
+        why = (f"Even {half} needs {need16 / 1e6:.0f} MB, so the {drop} least influential layers are removed "
+               "(lossy: see `twinfer prune`).",)
+        return LocalStrategy(budget, backend, half, half, dtype=half, prune_layers=int(drop),
+                             predicted_bytes=need16 - int(drop) * per_layer, reasons=why)
+    hint = "" if allow_pruning else " (or allow pruning with --allow-pruning)"
+    raise PlanError(f"{spec.name or 'the model'} needs {need16 / 1e6:.0f} MB even in {half}; --memory-budget is "
+                    f"{budget / 1e6:.0f} MB: raise it{hint}")
+
+
+def _n_experts(loaded: LoadedModel) -> int:
+    spec = loaded.spec
+    assert spec.moe is not None
+    return spec.moe.num_experts * sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+
+
+def _layer_bytes(loaded: LoadedModel, dtype_bytes: int) -> int:
+    w = loaded.weights
+    return sum(math.prod(w.shape(n)) * dtype_bytes for n in w.names() if n.startswith("layers.0."))
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------------
+def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int, allow_pruning: bool) -> LocalStrategy:
+    """Ask the planner for a llama.cpp plan on a device whose memory is `budget`."""
+    from twinfer.planners.plan import make_plan
+    from twinfer.planners.probe import probe_cpu
+    from twinfer.planners.search import Request
+    from twinfer.planners.source import profile_from_loaded
+
+    cluster = replace(probe_cpu(), memory_budget_bytes=budget)
+    plan = make_plan(profile_from_loaded(loaded), cluster, Request(ctx, max_seqs))
+    if not plan.fits or plan.chosen is None:
+        raise PlanError(f"nothing fits --memory-budget {budget / 1e6:.0f} MB: {plan.suggestion}")
+    s = plan.chosen.strategy
+    if s.engine != "llamacpp":
+        raise PlanError(f"the plan for this budget runs on {s.engine}; pass --backend {s.engine}")
+    if s.prune and not allow_pruning:
+        raise PlanError(f"only a pruned model fits --memory-budget {budget / 1e6:.0f} MB ({s.label()}); "
+                        "allow it with --allow-pruning, or raise the budget")
+    requant = None if s.mix.name == "stored" else s.mix.name
+    if requant is not None and requant not in _FTYPES:
+        raise PlanError(f"the plan chose {s.mix.label or s.mix.name}, which llama.cpp's quantizer does not write")
+    return LocalStrategy(budget, "llamacpp", s.mix.label or s.mix.name, s.kv.label, kv_type=s.kv.name,
+                         requantize=requant, prune_layers=round(loaded.spec.num_layers * s.prune),
+                         predicted_bytes=int(plan.chosen.memory.used), reasons=plan.reasons[:1],
+                         expected_kl=plan.chosen.kl)
+
+
+def requantize_gguf(src: Path, mix: str, threads: int | None = None) -> Path:
+    """`src` requantized to `mix` by llama.cpp's quantizer, cached under ~/.cache/twinfer/requant."""
+    import llama_cpp
+
+    cache = Path(os.environ.get("TWINFER_CACHE", "~/.cache/twinfer")).expanduser() / "requant"
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"{src.stem}-{mix}.gguf"
+    if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{_FTYPES[mix]}")
+    params.allow_requantize = True
+    params.nthread = threads or 0
+    tmp = out.with_suffix(".part")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+        raise PlanError(f"llama.cpp could not requantize {src} to {mix}")
+    tmp.replace(out)
+    return out
+
+
+# -- applying it -------------------------------------------------------------------------------------
+def choose_strategy(model: str | None, backend: str, budget: int, ctx: int, max_seqs: int,
+                    allow_pruning: bool) -> tuple[Path, LoadedModel, LocalStrategy]:
+    path = resolve_path(model)
+    backend = choose_backend(backend, path)
+    loaded = load_model(path)
+    if backend == "llamacpp":
+        return path, loaded, llamacpp_strategy(loaded, budget, ctx, max_seqs, allow_pruning)
+    return path, loaded, ops_strategy(loaded, backend, budget, ctx, max_seqs, allow_pruning)
+
+
+def open_with_budget(model: str | None, backend: str, budget_text: str | int, *, allow_pruning: bool = False,
+                     max_seqs: int = 1, ctx: int = 4096, threads: int | None = None) -> tuple[OpenedModel, LocalStrategy]:
+    """Open `model` under `budget_text` (e.g. `12GB`, `800MiB`, bytes); returns the model and the strategy."""
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    budget = parse_budget(budget_text)
+    path, loaded, strategy = choose_strategy(model, backend, budget, ctx, max_seqs, allow_pruning)
+    run_path = path
+    if strategy.prune_layers:
+        run_path = _pruned(path, strategy.prune_layers, strategy.backend)
+        loaded = load_model(run_path)
+    if strategy.requantize:
+        run_path = requantize_gguf(run_path, strategy.requantize, threads)
+        loaded = load_model(run_path)
+    runner = _runner(strategy, loaded, run_path, ctx, max_seqs, threads)
+    return OpenedModel(runner, load_tokenizer(path), loaded, path), strategy
+
+
+def _pruned(path: Path, layers: int, backend: str) -> Path:
+    from twinfer.quant.prune import prune_model
+
+    cache = Path(os.environ.get("TWINFER_CACHE", "~/.cache/twinfer")).expanduser() / "pruned"
+    measure = "torch" if backend == "llamacpp" else backend
+    return Path(prune_model(str(path), str(cache / f"{path.stem}-minus{layers}"), layers=layers,
+                            backend=measure, kl_tokens=0).out)
+
+
+def _runner(s: LocalStrategy, loaded: LoadedModel, path: Path, ctx: int, max_seqs: int, threads: int | None) -> Any:
+    if s.backend == "llamacpp":
+        from twinfer.backends.llamacpp.runner import LlamaCppRunner
+
+        quantized_kv = s.kv_type in ("q8_0", "q4_0")
+        return LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec,
+                              kv_type=s.kv_type or "f16", **({"flash_attn": True} if quantized_kv else {}))
+    if s.expert_cache_bytes is not None:
+        return _streaming_runner(s, loaded, ctx, threads)
+    from twinfer.runtime.load import _ops_runner
+
+    return _ops_runner(s.backend, loaded, ctx, threads, s.dtype, None)
+
+
+def _streaming_runner(s: LocalStrategy, loaded: LoadedModel, ctx: int, threads: int | None) -> Any:
+    assert s.expert_cache_bytes is not None
+    if s.backend == "torch":
+        import torch
+
+        from twinfer.backends.cuda.experts import load_streaming_torch_runner
+
+        if threads:
+            torch.set_num_threads(threads)
+        return load_streaming_torch_runner(loaded, cache_bytes=s.expert_cache_bytes, kv_tokens=ctx)
+    from twinfer.backends.metal.experts import load_streaming_mlx_runner
+
+    return load_streaming_mlx_runner(loaded, cache_bytes=s.expert_cache_bytes, kv_tokens=ctx)
