@@ -73,7 +73,7 @@ def test_padded_decode_gives_the_unpadded_logits(arch: str, kernels: str) -> Non
     def runner() -> object:
         device = "cuda" if kernels == "triton" and not INTERPRETED else "cpu"
         return build_torch_runner(SPECS[arch], weights(arch), kv_tokens=KV_TOKENS, block_size=BLOCK, kernels=kernels,
-                                  device=device, cuda_graphs=False)
+                                  device=device, cuda_graphs=False, padded_steps=True)
 
     plain, padded = runner(), runner()
     want_rows, want_tokens = run_decode(plain, 3, None)
@@ -93,7 +93,10 @@ def test_graphs_stay_off_where_they_cannot_run() -> None:
     assert r.graphs_off == "device cpu" and "off (device cpu)" in r.describe()["cuda_graphs"]
     assert build_torch_runner(SPECS["llama"], weights("llama"), kv_tokens=KV_TOKENS, block_size=BLOCK,
                               cuda_graphs=False).graphs_off == "cuda_graphs=False"
-    assert r.kv.num_blocks == KV_TOKENS // BLOCK and r.torch_ops.k_cache[0].shape[0] == KV_TOKENS + BLOCK
+    # no graphs, no scratch block: the cache is exactly what the engine (and the planner) counts
+    assert r.kv.num_blocks == KV_TOKENS // BLOCK and r.torch_ops.k_cache[0].shape[0] == KV_TOKENS
+    with pytest.raises(ValueError, match="padded_steps"):
+        r.step_padded(StepBatch([]), 2)
 
 
 @pytest.mark.cuda

@@ -79,17 +79,20 @@ class _Graph:
 class TorchRunner(OpsRunner):
     """The torch backend's runner: eager steps, and CUDA-graph replays of decode steps on a GPU.
 
-    The KV cache holds one block more than `kv` reports (block `kv.num_blocks`): padding rows' scratch.
+    With `padded_steps` the KV cache holds one block more than `kv` reports (block `kv.num_blocks`):
+    padding rows' scratch. Without it there are no graphs and no `step_padded`.
     """
 
     def __init__(self, spec: ModelSpec, ops: TorchOps, weights: dict[str, Any], kv: KVLayout, *,
-                 cuda_graphs: bool = True, max_graph_batch: int = DEFAULT_MAX_GRAPH_BATCH):
+                 cuda_graphs: bool = True, max_graph_batch: int = DEFAULT_MAX_GRAPH_BATCH, padded_steps: bool = True):
         super().__init__(spec, ops_protocol(ops), weights, kv, backend="torch")
         self.torch_ops = ops
         self.scratch_block = kv.num_blocks
+        self.padded_steps = padded_steps
         self.buckets = decode_buckets(max_graph_batch)
         self.graphs: dict[int, _Graph] = {}
-        self.graphs_off = graphs_off_reason(ops, cuda_graphs)  # None: graphs are used
+        # None: graphs are used
+        self.graphs_off = graphs_off_reason(ops, cuda_graphs) or (None if padded_steps else "padded_steps=False")
         self._pool: Any = None
 
     def step(self, batch: StepBatch) -> np.ndarray:
@@ -104,6 +107,8 @@ class TorchRunner(OpsRunner):
     def step_padded(self, batch: StepBatch, bucket: int) -> np.ndarray:
         """An eager decode step padded to `bucket` rows with the graphs' fixed-width inputs: what a replay
         computes, on any device (how CPU tests check the padding)."""
+        if not self.padded_steps:
+            raise ValueError("step_padded needs a runner built with padded_steps=True (a scratch KV block)")
         ctx = self.torch_ops.begin_step(pad_decode_batch(batch, bucket, self.scratch_block), self.table_width)
         with torch.no_grad():
             logits = self._forward(ctx)  # [bucket, V]

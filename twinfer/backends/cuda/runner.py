@@ -52,10 +52,13 @@ def build_torch_runner(
     weight_format: str | None = None,
     kernels: str | None = None,
     cuda_graphs: bool = True,
+    padded_steps: bool | None = None,
 ) -> TorchRunner:
-    """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights."""
+    """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights.
+    `padded_steps`: keep the scratch KV block of padded decode steps (default: only where CUDA graphs
+    can run; True lets a CPU test call `step_padded`)."""
     return _build(spec, weights.keys(), weights.__getitem__, device, dtype, kv_tokens, block_size, kv_format,
-                  weight_format, kernels=kernels, cuda_graphs=cuda_graphs)
+                  weight_format, kernels=kernels, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
 
 
 def _build(
@@ -71,6 +74,7 @@ def _build(
     *,
     kernels: str | None = None,
     cuda_graphs: bool = True,
+    padded_steps: bool | None = None,
 ) -> TorchRunner:
     fmt = native_weight_format(weight_format, torch.device(device))
     if block_size <= 0 or kv_tokens < block_size:
@@ -78,8 +82,10 @@ def _build(
             f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
         )
     kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
-    ops = TorchOps(  # one block more than the engine sees: the scratch block of padded decode rows
-        spec, num_blocks=kv.num_blocks + 1, block_size=block_size, device=device, dtype=dtype, kv_format=kv_format,
+    if padded_steps is None:
+        padded_steps = cuda_graphs and torch.device(device).type == "cuda"
+    ops = TorchOps(  # padded decode steps get one block more than the engine sees: their rows' scratch
+        spec, num_blocks=kv.num_blocks + int(padded_steps), block_size=block_size, device=device, dtype=dtype, kv_format=kv_format,
         kernels=kernels,
     )
     weights = {}
@@ -87,4 +93,4 @@ def _build(
         if name == "lm_head" and spec.tie_word_embeddings:
             continue  # tied: the model reads `embed`; keep one copy on the device
         weights[name] = convert_weight(name, ops.weight(name, load(name)), fmt)
-    return TorchRunner(spec, ops, weights, kv, cuda_graphs=cuda_graphs)
+    return TorchRunner(spec, ops, weights, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
