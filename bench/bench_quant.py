@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -107,9 +108,14 @@ def _close(src: RunnerSource) -> None:
 
 
 def part_search(probes: dict[str, KLProbe], search_probe: KLProbe, formats: list[str],
-                budgets: list[tuple[str, float]], granularity: str) -> dict[str, Any]:
+                budgets: list[tuple[str, float]], granularity: str, reuse: str | None = None) -> dict[str, Any]:
     search = FormatSearch(search_probe, formats, granularity, log=log)
-    search.measure_sensitivities()
+    if reuse:  # the sensitivities of an earlier run with the same formats, groups and search tokens
+        saved = json.loads(Path(reuse).read_text())["search"]["sensitivities"]
+        search.sens = {g: {f: saved[g][f] for f in search.formats} for g in search.groups}
+        log(f"sensitivities reused from {reuse}")
+    else:
+        search.measure_sensitivities()
     names = quantizable(search_probe.weights)
     out: dict[str, Any] = {"formats": search.formats, "granularity": granularity, "sensitivities": search.sens,
                            "budgets": []}
@@ -200,6 +206,7 @@ def main() -> None:
     ap.add_argument("--judge-tokens", type=int, default=512, help="Tokens per corpus the search is judged on.")
     ap.add_argument("--out", help="Also write the (partial) result here after each part.")
     ap.add_argument("--budgets", default="tq4,tq3", help="Uniform formats whose bit costs are the search budgets.")
+    ap.add_argument("--reuse-sensitivities", metavar="JSON", help="A saved search result whose sensitivities to reuse.")
     ap.add_argument("--granularity", default="block", help="Search and interaction groups: block, layer, tensor.")
     ap.add_argument("--kv-formats", default=",".join(KV_FORMATS))
     ap.add_argument("--llama-kv", default=",".join(LLAMA_KV))
@@ -245,7 +252,7 @@ def main() -> None:
         if "search" in parts:
             budgets = [(f, FORMATS[f]) for f in args.budgets.split(",")]
             result["search"] = part_search(judges, search_probe, args.search_formats.split(","), budgets,
-                                           args.granularity)
+                                           args.granularity, args.reuse_sensitivities)
             result["search"]["judge_tokens_per_corpus"] = args.judge_tokens
             save()
         if "interact" in parts:
