@@ -164,26 +164,6 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
                          expected_kl=plan.chosen.kl)
 
 
-def requantize_gguf(src: Path, mix: str, threads: int | None = None) -> Path:
-    """`src` requantized to `mix` by llama.cpp's quantizer, cached under ~/.cache/twinfer/requant."""
-    import llama_cpp
-
-    cache = Path(os.environ.get("TWINFER_CACHE", "~/.cache/twinfer")).expanduser() / "requant"
-    cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"{src.stem}-{mix}.gguf"
-    if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
-        return out
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{_FTYPES[mix]}")
-    params.allow_requantize = True
-    params.nthread = threads or 0
-    tmp = out.with_suffix(".part")
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
-        raise PlanError(f"llama.cpp could not requantize {src} to {mix}")
-    tmp.replace(out)
-    return out
-
-
 # -- applying it -------------------------------------------------------------------------------------
 def choose_strategy(model: str | None, backend: str, budget: int, ctx: int, max_seqs: int,
                     allow_pruning: bool) -> tuple[Path, LoadedModel, LocalStrategy]:
@@ -207,7 +187,9 @@ def open_with_budget(model: str | None, backend: str, budget_text: str | int, *,
         run_path = _pruned(path, strategy.prune_layers, strategy.backend)
         loaded = load_model(run_path)
     if strategy.requantize:
-        run_path = requantize_gguf(run_path, strategy.requantize, threads)
+        from twinfer.backends.llamacpp.requantize import requantize_gguf
+
+        run_path = requantize_gguf(run_path, strategy.requantize, _FTYPES[strategy.requantize], threads)
         loaded = load_model(run_path)
     runner = _runner(strategy, loaded, run_path, ctx, max_seqs, threads)
     return OpenedModel(runner, load_tokenizer(path), loaded, path), strategy
@@ -239,13 +221,9 @@ def _runner(s: LocalStrategy, loaded: LoadedModel, path: Path, ctx: int, max_seq
 def _streaming_runner(s: LocalStrategy, loaded: LoadedModel, ctx: int, threads: int | None) -> Any:
     assert s.expert_cache_bytes is not None
     if s.backend == "torch":
-        import torch
-
         from twinfer.backends.cuda.experts import load_streaming_torch_runner
 
-        if threads:
-            torch.set_num_threads(threads)
-        return load_streaming_torch_runner(loaded, cache_bytes=s.expert_cache_bytes, kv_tokens=ctx)
+        return load_streaming_torch_runner(loaded, cache_bytes=s.expert_cache_bytes, kv_tokens=ctx, threads=threads)
     from twinfer.backends.metal.experts import load_streaming_mlx_runner
 
     return load_streaming_mlx_runner(loaded, cache_bytes=s.expert_cache_bytes, kv_tokens=ctx)

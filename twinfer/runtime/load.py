@@ -112,16 +112,9 @@ def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, 
 def _ops_runner(backend: str, loaded: LoadedModel, ctx: int, threads: int | None,
                 dtype: str | None, device: str | None) -> Runner:
     if backend == "torch":
-        import torch
+        from twinfer.backends.cuda.runner import open_torch_runner
 
-        from twinfer.backends.cuda.runner import load_torch_runner
-
-        if threads:
-            torch.set_num_threads(threads)
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        default = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-        torch_dtype = getattr(torch, dtype) if dtype else default
-        return load_torch_runner(loaded, device=dev, dtype=torch_dtype, kv_tokens=ctx)
+        return open_torch_runner(loaded, kv_tokens=ctx, threads=threads, dtype=dtype, device=device)
     from twinfer.backends.metal.runner import load_mlx_runner
 
     return load_mlx_runner(loaded, kv_tokens=ctx, dtype=dtype or "float32")

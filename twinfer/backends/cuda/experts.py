@@ -34,11 +34,8 @@ class TorchStreamingOps(StreamingOps):
     inner: TorchOps
 
     def _route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, np.ndarray]:
-        probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
-        weights, experts = probs.topk(moe.top_k, dim=-1)  # [T, k]
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), experts.cpu().numpy()
+        weights, experts = self.inner.route(x, router, moe)  # the resident path's routing, exactly
+        return weights, experts.cpu().numpy()
 
     def _predict(self, x: torch.Tensor, router: torch.Tensor, k: int) -> list[int]:
         scores = F.linear(x, router).float().softmax(-1).mean(0)  # [E] mean over the step's rows
@@ -66,8 +63,12 @@ def load_streaming_torch_runner(
     kv_tokens: int = 4096,
     block_size: int = 16,
     prefetch: bool = True,
+    threads: int | None = None,
 ) -> OpsRunner:
-    """A torch runner whose routed experts stay in the file behind an LRU cache of `cache_bytes`."""
+    """A torch runner whose routed experts stay in the file behind an LRU cache of `cache_bytes`
+    (`threads` caps torch's CPU threads)."""
+    if threads:
+        torch.set_num_threads(threads)
     spec, w = loaded.spec, loaded.weights
     assert spec.moe is not None
     kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))

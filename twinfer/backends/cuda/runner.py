@@ -94,3 +94,14 @@ def _build(
             continue  # tied: the model reads `embed`; keep one copy on the device
         weights[name] = convert_weight(name, ops.weight(name, load(name)), fmt)
     return TorchRunner(spec, ops, weights, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
+
+
+def open_torch_runner(loaded: LoadedModel, *, kv_tokens: int, threads: int | None = None, dtype: str | None = None,
+                      device: str | None = None) -> TorchRunner:
+    """`load_torch_runner` with the CLI's defaults: CUDA when there is one (bfloat16), else CPU (float32);
+    `threads` caps torch's CPU threads; `dtype` names a torch dtype ("float16", "bfloat16", ...)."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    default = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    return load_torch_runner(loaded, device=dev, dtype=getattr(torch, dtype) if dtype else default, kv_tokens=kv_tokens)

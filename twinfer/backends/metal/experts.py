@@ -35,13 +35,7 @@ class MlxStreamingOps(StreamingOps):
     inner: MlxOps
 
     def _route(self, x: mx.array, router: mx.array, moe: MoESpec) -> tuple[mx.array, np.ndarray]:
-        probs = mx.softmax((x @ router.T).astype(mx.float32), axis=-1, precise=True)  # [T, E]
-        k = moe.top_k
-        experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]
-        weights = mx.take_along_axis(probs, experts, axis=-1)
-        if moe.norm_topk_prob or not moe.router_softmax_before_topk:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        weights = weights.astype(x.dtype)
+        weights, experts = self.inner._route(x, router, moe)  # noqa: SLF001 - the resident path's routing
         mx.eval(weights, experts)  # streaming's one wait per MoE layer: the host needs the expert ids
         return weights, np.array(experts)
 
