@@ -57,7 +57,7 @@ def pytest_running() -> list[str]:
             argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
         except OSError:
             continue
-        if b"python" in Path(argv0.decode(errors="replace")).name.encode():
+        if b"python" in os.path.basename(argv0):
             running.append(pid)
     return running
 
