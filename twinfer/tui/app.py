@@ -148,12 +148,12 @@ class ChatApp(App[None]):
             panel.show_step(step, total, what)
 
     async def _loaded(self, backend: ChatBackend) -> None:
-        self.backend = backend
         info = backend.info
         self.conversation.model = info.name
         self.sub_title = f"{info.name} · {info.backend}"
-        await self.query_one(LoadingPanel).remove()
         self.status.set_state("ready", info)
+        self.backend = backend  # after the status says ready: the two change together for anyone watching
+        await self.query_one(LoadingPanel).remove()
         if info.prompt_format == "transcript":
             await self.add_note("info", f"{info.name} is a base model (not chat-tuned): twinfer writes the chat "
                                         "as a User:/Assistant: transcript for it to continue. Expect short, rough "
