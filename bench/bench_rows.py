@@ -3,8 +3,9 @@
     python bench/bench_rows.py [--threads 2] [--context 300] [--kv-type f16]
 
 One sequence of `--context` tokens of the default model; then steps of 1..8 new rows of that
-sequence, with logits for every row (a verification) and for the last only (a prompt chunk), best
-of 8 each, the rows rolled back after every step. Prints one JSON object with hardware and build.
+sequence, with logits for every row (a verification), for the last only (a prompt chunk) and for
+none (the 18 layers alone, without the 262k-row output matrix), best of 8 each, the rows rolled back
+after every step. Prints one JSON object with hardware and build.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def main() -> None:
                             kv_type=args.kv_type)
     ctx = args.context
     runner.step(StepBatch([SeqChunk(0, list(range(1000, 1000 + ctx)), 0, logits=LogitsWanted.LAST)]))
-    ms: dict[str, dict[int, float]] = {"all_logits": {}, "last_logit": {}}
+    ms: dict[str, dict[int, float]] = {"all_logits": {}, "last_logit": {}, "no_logits": {}}
     for rows in range(1, 9):
-        for key, want in (("all_logits", LogitsWanted.ALL), ("last_logit", LogitsWanted.LAST)):
+        for key, want in (("all_logits", LogitsWanted.ALL), ("last_logit", LogitsWanted.LAST),
+                          ("no_logits", LogitsWanted.NONE)):
             best = float("inf")
             for _ in range(8):
                 t = time.perf_counter()
