@@ -91,7 +91,7 @@ def kv_shard(profile: ModelProfile, s: Strategy) -> int:
 
 def kv_bytes_per_seq(profile: ModelProfile, kv: KVFormat, context: int) -> float:
     """KV bytes one sequence holds at `context` tokens (sliding-window layers hold at most the window)."""
-    return profile.spec.kv_bytes_per_token(kv.bits / 8, context) * context
+    return profile.spec.kv_bytes_per_token(kv.bits_at(profile.spec.head_dim) / 8, context) * context
 
 
 def _ep_max_load(touched: float, ep: int) -> float:
@@ -148,7 +148,7 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     compute_s = flops / (peak * eff.tensor) if dev.kind != CPU else flops / (dev.vector_tflops * 1e12 * eff.tensor)
     elems, ops = _dequant_elems(profile, dev, s.mix, touched)
     passes = math.ceil(mb / (4 if dev.kind == CPU else 32))  # weights expanded once per tile of tokens
-    kv_ops = 0.0 if kv_native(dev, s.kv) else kv * 8 / s.kv.bits * s.kv.dequant_ops
+    kv_ops = 0.0 if kv_native(dev, s.kv) else kv * 8 / s.kv.bits_at(profile.spec.head_dim) * s.kv.dequant_ops
     dequant_s = (elems / shard * ops * passes + kv_ops) / (dev.vector_tflops * 1e12 * eff.vector)
     alu = compute_s + dequant_s
     kernel_s = max(memory_s, alu) + eff.overlap_loss * min(memory_s, alu)

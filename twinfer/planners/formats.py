@@ -168,13 +168,29 @@ MIXES: dict[str, Mix] = {m.name: m for m in [
 @dataclass(frozen=True)
 class KVFormat:
     name: str
-    bits: float
+    bits: float  # stored bits per element; TurboQuant's at head_dim 128 (`bits_at` for others)
     compute: str
     dequant_ops: float
     tier: int
     label: str
     kl: float = 0.0
     family: str = "float"  # "gguf" and "turboquant" always go through a dequantization loop
+    code_bits: int = 0  # TurboQuant: bits per code
+
+    def bits_at(self, head_dim: int) -> float:
+        """Stored bits per element on attention heads of `head_dim` (only TurboQuant's depend on it)."""
+        return turboquant_kv_bits(self.code_bits, head_dim) if self.family == "turboquant" else self.bits
+
+
+def turboquant_kv_bits(bits: int, head_dim: int) -> float:
+    """Bits per element of the torch/MLX TurboQuant KV cache (quant/kv_format.py) at `bits` on `head_dim`.
+
+    Each head vector is rotated in next_pow2(head_dim) >= 8 dims, whose codes pack into whole bytes
+    (8 codes in `bits` bytes), plus one float16 norm: 4-bit on 128 is (128 * 4 + 16) / 128 = 4.125,
+    on 256 it is 4.0625, on 80 (padded to 128) 6.6.
+    """
+    padded = 1 << max(0, (head_dim - 1).bit_length())
+    return (padded * bits + 16) / head_dim
 
 
 KV_FORMATS: dict[str, KVFormat] = {k.name: k for k in [
@@ -185,8 +201,8 @@ KV_FORMATS: dict[str, KVFormat] = {k.name: k for k in [
     KVFormat("nvfp4", 4.5, "fp4", 2.0, GOOD, "NVFP4", 0.004),
     KVFormat("q8_0", 8.5, "int8", 1.5, NEAR, "Q8_0", 0.0003, "gguf"),
     KVFormat("q4_0", 4.5, "int8", 2.0, GOOD, "Q4_0", 0.01, "gguf"),
-    KVFormat("tq4", 4.125, "f16", 6.0, NEAR, "TurboQuant-style 4-bit", 0.002, "turboquant"),
-    KVFormat("tq3", 3.125, "f16", 6.0, GOOD, "TurboQuant-style 3-bit", 0.008, "turboquant"),
+    KVFormat("tq4", 4.125, "f16", 6.0, NEAR, "TurboQuant-style 4-bit", 0.002, "turboquant", code_bits=4),
+    KVFormat("tq3", 3.125, "f16", 6.0, GOOD, "TurboQuant-style 3-bit", 0.008, "turboquant", code_bits=3),
 ]}
 
 

@@ -65,7 +65,8 @@ def activation_bytes(profile: ModelProfile, s: Strategy, concurrency: int) -> fl
 
 def kv_alloc_per_token(profile: ModelProfile, s: Strategy, context: int) -> float:
     """KV bytes the runner allocates per token of `context` (what a decode step reads may be less)."""
-    return profile.spec.kv_bytes_per_token(s.kv.bits / 8, None if s.engine in FULL_LENGTH_KV else context)
+    window_context = None if s.engine in FULL_LENGTH_KV else context
+    return profile.spec.kv_bytes_per_token(s.kv.bits_at(profile.spec.head_dim) / 8, window_context)
 
 
 def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency: int, context: int) -> Memory:

@@ -3,9 +3,15 @@
 Code ``i`` of a row occupies bits ``[i*b, (i+1)*b)`` of the row's stream, counting from the least
 significant bit of byte 0. For ``b == 4`` this is "low nibble first", the order NVFP4, MXFP4 and
 gpt-oss use; for ``b == 8`` it is the identity.
+
+Rows whose length does not fill whole bytes (:func:`pack_rows`) are zero-padded to whole groups of
+:func:`code_group` codes: 8 codes in 3 bytes at 3 bits, 2 in 1 byte at 4. The KV caches of the torch
+and MLX backends hold their codes in this layout (``backends/*/quant.py`` pack with device ops).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -32,6 +38,29 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     planes = planes.reshape(*packed.shape[:-1], n, bits)
     weights = (1 << np.arange(bits)).astype(np.uint8)
     return (planes * weights).sum(axis=-1, dtype=np.uint8)
+
+
+def code_group(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of the shortest run of ``bits``-bit codes that fills whole bytes."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"codes of {bits} bits cannot be packed into bytes; use 1 to 8 bits")
+    codes = 8 // math.gcd(bits, 8)
+    return codes, codes * bits // 8
+
+
+def packed_width(n: int, bits: int) -> int:
+    """Bytes one row of ``n`` codes takes after :func:`pack_rows`."""
+    codes, nbytes = code_group(bits)
+    return -(-n // codes) * nbytes
+
+
+def pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`pack_bits` for rows of any length ``n``: uint8 ``[..., packed_width(n, bits)]``.
+
+    Each row is zero-padded to whole groups first; :func:`unpack_bits` with the row's ``n`` reads it back.
+    """
+    pad = -codes.shape[-1] % code_group(bits)[0]
+    return pack_bits(np.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)]), bits)
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:

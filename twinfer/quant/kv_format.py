@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from twinfer.quant.bitpack import packed_width
 from twinfer.quant.qjl import TurboQuantProd
 from twinfer.quant.turboquant import TurboQuantMSE, split_rate
 
@@ -52,14 +53,16 @@ class KVFormat:
         split_rate(self.rate, head_dim)  # raises when the rate does not split this head size
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Stored bits per cached element (keys and values averaged), float16 norms included."""
+        """Stored bits per cached element (keys and values averaged) as the backends' caches hold them:
+        each channel set's codes bit-packed over its rotated width (quant/bitpack.py) plus a float16 norm;
+        QJL keys add a bit per channel and a float16 residual norm."""
         low, n_hi = split_rate(self.rate, head_dim)
         sets = [(n_hi, low + 1), (head_dim - n_hi, low)] if n_hi else [(head_dim, low)]
-        value_bits = sum(_pow2(d) * b + 16 for d, b in sets) / head_dim
+        value_bytes = sum(packed_width(_pow2(d), b) + 2 for d, b in sets)
         if not self.qjl:
-            return value_bits
-        key_bits = (_pow2(head_dim) * (int(self.rate) - 1) + 16 + head_dim + 16) / head_dim
-        return (key_bits + value_bits) / 2
+            return value_bytes * 8 / head_dim
+        key_bytes = packed_width(_pow2(head_dim), int(self.rate) - 1) + 2 + packed_width(head_dim, 1) + 2
+        return (key_bytes + value_bytes) * 4 / head_dim  # bytes * 8 / head_dim, averaged over K and V
 
 
 def _pow2(n: int) -> int:

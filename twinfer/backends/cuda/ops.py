@@ -79,6 +79,11 @@ class TorchOps:
         self.k_cache, self.v_cache = cache(), cache()
         self._inv_freq = [torch.from_numpy(inv_freq(spec, i)).to(self.device) for i in range(spec.num_layers)]
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV caches this process holds: dense K/V, or TurboQuant's packed codes and norms."""
+        return sum(t.nbytes for t in (*self.k_cache, *self.v_cache)) + sum(c.nbytes for c in self.kv_quant)
+
     # -- step setup ----------------------------------------------------------------------------
     def begin_step(self, batch: StepBatch, table_width: int | None = None) -> TorchStep:
         """`table_width`: pad decode block tables to this many blocks (fixed shapes for CUDA graphs)."""

@@ -7,10 +7,13 @@ rotated weight. Formats with no CPU/torch kernel here (fp8, nvfp4, mxfp4) are de
 load (their native kernels are GPU tensor-core paths).
 
 KV (`TorchTQKV`): per layer, each new key/value head vector is split into its channel sets, rotated,
-normalized and coded by the Lloyd-Max boundaries; codes (uint8) and float16 norms are what the cache
-holds. Attention never decodes back to the original basis: queries are rotated once per step (and
-sketched by `S` for QJL keys), scores are taken against `centroids[codes] * norm / sqrt(D)`, and the
-probability-weighted value sum is formed in the rotated domain and rotated back once per query.
+normalized and coded by the Lloyd-Max boundaries; bit-packed codes (`TorchCodePacking`, the layout of
+quant/bitpack.py: two 4-bit codes a byte, eight 3-bit codes in three bytes) and float16 norms are what
+the cache holds, and QJL signs take one bit each. Codes are packed as they are written and unpacked
+from the gathered slots inside attention. Attention never decodes back to the original basis: queries
+are rotated once per step (and sketched by `S` for QJL keys), scores are taken against
+`centroids[codes] * norm / sqrt(D)`, and the probability-weighted value sum is formed in the rotated
+domain and rotated back once per query.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from twinfer.quant.bitpack import code_group, packed_width
 from twinfer.quant.kv_format import ChannelSet, KVFormat, mse_sets, qjl_sketch
 from twinfer.quant.linear import QuantizedWeight, tq_linear_parts
 
@@ -92,6 +96,38 @@ def torch_weight(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) 
 
 
 # -- KV cache --------------------------------------------------------------------------------------
+class TorchCodePacking:
+    """Rows of `n` codes of `bits` bits <-> uint8 `[..., packed_width(n, bits)]` (quant/bitpack.py's layout).
+
+    Each run of `G` codes (`code_group`) becomes one integer word `sum_j code_j << bits*j`, written out as
+    its `W` little-endian bytes; the row is zero-padded to whole runs. Words are int32 up to 3 bytes.
+    """
+
+    def __init__(self, bits: int, n: int, device: torch.device):
+        self.bits, self.n = bits, n
+        self.group, self.word_bytes = code_group(bits)
+        self.width = packed_width(n, bits)
+        self.word = torch.int32 if self.word_bytes <= 3 else torch.int64
+        self.code_shifts = torch.arange(self.group, device=device, dtype=self.word) * bits  # [G]
+        self.byte_shifts = torch.arange(self.word_bytes, device=device, dtype=self.word) * 8  # [W]
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [..., n] (each < 2**bits) -> uint8 [..., width]."""
+        lead = codes.shape[:-1]
+        runs = F.pad(codes, (0, -self.n % self.group)).reshape(*lead, -1, self.group)  # [..., n/G, G]
+        runs = runs.to(self.word)
+        words = (runs << self.code_shifts).sum(-1, dtype=self.word)  # disjoint bit ranges: the sum is an OR
+        return ((words[..., None] >> self.byte_shifts) & 0xFF).to(torch.uint8).reshape(*lead, self.width)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """uint8 [..., width] -> uint8 codes [..., n]."""
+        lead = packed.shape[:-1]
+        runs = packed.reshape(*lead, -1, self.word_bytes).to(self.word)  # [..., n/G, W]
+        words = (runs << self.byte_shifts).sum(-1, dtype=self.word)
+        codes = (words[..., None] >> self.code_shifts) & ((1 << self.bits) - 1)  # [..., n/G, G]
+        return codes.reshape(*lead, -1)[..., : self.n].to(torch.uint8)
+
+
 class _CodedSets:
     """One side (keys or values) of a layer's cache under TurboQuant-MSE channel sets."""
 
@@ -104,7 +140,9 @@ class _CodedSets:
         self.rot = [torch.from_numpy(s.rotation).to(device, dtype) for s in sets]  # [D_s, d_s]
         self.cent = [torch.from_numpy(s.centroids).to(device, dtype) for s in sets]
         self.bounds = [torch.from_numpy(s.boundaries).to(device, dtype) for s in sets]
-        self.codes = [torch.zeros((slots, heads, s.padded_dim), dtype=torch.uint8, device=device) for s in sets]
+        self.packing = [TorchCodePacking(s.bits, s.padded_dim, device) for s in sets]
+        self.codes = [torch.zeros((slots, heads, p.width), dtype=torch.uint8, device=device)
+                      for p in self.packing]  # [slots, Hkv, packed D_s]
         self.norms = [torch.zeros((slots, heads), dtype=torch.float16, device=device) for _ in sets]
         self.channels: list[torch.Tensor] | None = None  # [Hkv, d_s] per set, fixed at the first write
         if len(sets) == 1:
@@ -133,7 +171,8 @@ class _CodedSets:
             norm = xs.float().norm(dim=-1)  # [T, Hkv]
             unit = xs / torch.where(norm > 0, norm, 1.0)[..., None].to(xs.dtype)
             z = (unit @ self.rot[i].T) * math.sqrt(s.padded_dim)  # [T, Hkv, D_s]
-            self.codes[i].index_copy_(0, slots, torch.bucketize(z, self.bounds[i]).to(torch.uint8))
+            codes = torch.bucketize(z, self.bounds[i]).to(torch.uint8)
+            self.codes[i].index_copy_(0, slots, self.packing[i].pack(codes))
             self.norms[i].index_copy_(0, slots, norm.to(torch.float16))
 
     def rotated(self, kv_slots: torch.Tensor) -> torch.Tensor:
@@ -141,8 +180,15 @@ class _CodedSets:
         out = []
         for i, s in enumerate(self.sets):
             scale = self.norms[i][kv_slots].to(self.dtype) / math.sqrt(s.padded_dim)  # [B, L, Hkv]
-            out.append(self.cent[i][self.codes[i][kv_slots].long()] * scale[..., None])
+            codes = self.packing[i].unpack(self.codes[i][kv_slots])  # [B, L, Hkv, D_s]
+            out.append(self.cent[i][codes.long()] * scale[..., None])
         return torch.cat(out, dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache tensors (and the centered format's per-layer mean, once taken)."""
+        held = [*self.codes, *self.norms, *([self.mean] if self.mean is not None else [])]
+        return sum(t.nbytes for t in held)
 
     def rotate_queries(self, q: torch.Tensor, group: int) -> torch.Tensor:
         """Queries [..., H, D] into the rotated domain of their KV head: [..., H, sum D_s]."""
@@ -176,7 +222,8 @@ class _QJLKeys:
                  device: torch.device, dtype: torch.dtype):
         self.mse = _CodedSets(mse_sets(bits - 1, head_dim, seed), slots, heads, head_dim, device, dtype)
         self.sketch = torch.from_numpy(qjl_sketch(head_dim, bits, seed)).to(device, dtype)  # [D, D]
-        self.signs = torch.zeros((slots, heads, head_dim), dtype=torch.int8, device=device)
+        self.sign_packing = TorchCodePacking(1, head_dim, device)  # bit j: sketch row j of the residual >= 0
+        self.signs = torch.zeros((slots, heads, self.sign_packing.width), dtype=torch.uint8, device=device)
         self.res_norms = torch.zeros((slots, heads), dtype=torch.float16, device=device)
         self.head_dim = head_dim
 
@@ -184,13 +231,18 @@ class _QJLKeys:
         self.mse.write(x, slots)
         decoded = self.mse.unrotate(self.mse.rotated(slots[None])[0], 1)  # [T, Hkv, D]
         r = x.to(decoded.dtype) - decoded
-        self.signs.index_copy_(0, slots, torch.where(r @ self.sketch.T >= 0, 1, -1).to(torch.int8))
+        self.signs.index_copy_(0, slots, self.sign_packing.pack((r @ self.sketch.T >= 0).to(torch.uint8)))
         self.res_norms.index_copy_(0, slots, r.float().norm(dim=-1).to(torch.float16))
 
     def rotated(self, kv_slots: torch.Tensor) -> torch.Tensor:
         scale = self.res_norms[kv_slots].to(self.mse.dtype) * (math.sqrt(math.pi / 2) / self.head_dim)
-        sketch = self.signs[kv_slots].to(self.mse.dtype) * scale[..., None]
+        signs = self.sign_packing.unpack(self.signs[kv_slots]).to(self.mse.dtype) * 2 - 1  # [B, L, Hkv, D]: +-1
+        sketch = signs * scale[..., None]
         return torch.cat([self.mse.rotated(kv_slots), sketch], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.mse.nbytes + self.signs.nbytes + self.res_norms.nbytes
 
     def rotate_queries(self, q: torch.Tensor, group: int) -> torch.Tensor:
         return torch.cat([self.mse.rotate_queries(q, group), q @ self.sketch.T], dim=-1)
@@ -211,6 +263,11 @@ class TorchTQKV:
                                    fmt.centered)
         self.values = _CodedSets(mse_sets(fmt.rate, head_dim, seed + 1), slots, heads, head_dim, device, dtype,
                                  fmt.centered)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layer's cache holds: packed codes, norms, QJL signs."""
+        return self.keys.nbytes + self.values.nbytes
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any,
                   mask: torch.Tensor, scale: float) -> torch.Tensor:

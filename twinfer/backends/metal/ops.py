@@ -81,6 +81,11 @@ class MlxOps:
         self._gather_mm_f32 = mx.default_device().type == mx.cpu
         mx.eval(self.k_cache, self.v_cache)
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV caches this process holds: dense K/V, or TurboQuant's packed codes and norms."""
+        return sum(a.nbytes for a in (*self.k_cache, *self.v_cache)) + sum(c.nbytes for c in self.kv_quant)
+
     # -- step setup ----------------------------------------------------------------------------
     def begin_step(self, batch: StepBatch) -> MlxStep:
         chunks = batch.chunks

@@ -3,8 +3,9 @@
 Affine int8/int4 weights go to `mx.quantized_matmul` unchanged (`quant/affine.py` writes MLX's
 layout, bit-identical to `mx.quantize`). TurboQuant weights rotate activation blocks and multiply
 by the codebook-decoded rotated weight; fp8/nvfp4/mxfp4 are dequantized once at load. The KV cache
-stores uint8 codes and float16 norms per channel set and attends in the rotated domain (see
-backends/cuda/quant.py for the derivation); MLX arrays are immutable, so a write builds new arrays.
+stores bit-packed codes (quant/bitpack.py's layout, as the torch cache) and float16 norms per channel
+set, QJL signs one bit each, and attends in the rotated domain (see backends/cuda/quant.py for the
+derivation); MLX arrays are immutable, so a write builds new arrays.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from twinfer.quant.bitpack import code_group, packed_width
 from twinfer.quant.kv_format import ChannelSet, KVFormat, mse_sets, qjl_sketch
 from twinfer.quant.linear import QuantizedWeight, tq_linear_parts
 
@@ -77,8 +79,36 @@ def mlx_weight(qw: QuantizedWeight, dtype: mx.Dtype) -> Any:
 
 
 # -- KV cache --------------------------------------------------------------------------------------
+class MlxCodePacking:
+    """Rows of `n` codes of `bits` bits <-> uint8 `[..., packed_width(n, bits)]`: TorchCodePacking in MLX."""
+
+    def __init__(self, bits: int, n: int):
+        self.bits, self.n = bits, n
+        self.group, self.word_bytes = code_group(bits)
+        self.width = packed_width(n, bits)
+        self.word = mx.int32 if self.word_bytes <= 3 else mx.int64
+        self.code_shifts = mx.arange(self.group, dtype=self.word) * bits  # [G]
+        self.byte_shifts = mx.arange(self.word_bytes, dtype=self.word) * 8  # [W]
+
+    def pack(self, codes: mx.array) -> mx.array:
+        """uint8 codes [..., n] (each < 2**bits) -> uint8 [..., width]."""
+        lead = codes.shape[:-1]
+        pad = [(0, 0)] * len(lead) + [(0, -self.n % self.group)]
+        runs = mx.pad(codes, pad).reshape(*lead, -1, self.group).astype(self.word)  # [..., n/G, G]
+        words = mx.sum(runs << self.code_shifts, axis=-1)  # disjoint bit ranges: the sum is an OR
+        return ((words[..., None] >> self.byte_shifts) & 0xFF).astype(mx.uint8).reshape(*lead, self.width)
+
+    def unpack(self, packed: mx.array) -> mx.array:
+        """uint8 [..., width] -> uint8 codes [..., n]."""
+        lead = packed.shape[:-1]
+        runs = packed.reshape(*lead, -1, self.word_bytes).astype(self.word)  # [..., n/G, W]
+        words = mx.sum(runs << self.byte_shifts, axis=-1)
+        codes = (words[..., None] >> self.code_shifts) & ((1 << self.bits) - 1)  # [..., n/G, G]
+        return codes.reshape(*lead, -1)[..., : self.n].astype(mx.uint8)
+
+
 class _CodedSets:
-    """Keys or values of one layer under TurboQuant-MSE channel sets (codes uint8, norms float16)."""
+    """Keys or values of one layer under TurboQuant-MSE channel sets (packed codes, float16 norms)."""
 
     def __init__(self, sets: tuple[ChannelSet, ...], slots: int, heads: int, head_dim: int, dtype: mx.Dtype,
                  centered: bool = False):
@@ -88,7 +118,8 @@ class _CodedSets:
         self.rot = [mx.array(s.rotation).astype(dtype) for s in sets]
         self.cent = [mx.array(s.centroids).astype(dtype) for s in sets]
         self.bounds = [mx.array(s.boundaries).astype(dtype) for s in sets]
-        self.codes = [mx.zeros((slots, heads, s.padded_dim), dtype=mx.uint8) for s in sets]
+        self.packing = [MlxCodePacking(s.bits, s.padded_dim) for s in sets]
+        self.codes = [mx.zeros((slots, heads, p.width), dtype=mx.uint8) for p in self.packing]
         self.norms = [mx.zeros((slots, heads), dtype=mx.float16) for _ in sets]
         self.channels: list[mx.array] | None = None
         if len(sets) == 1:
@@ -122,14 +153,14 @@ class _CodedSets:
             unit = xs / mx.where(norm > 0, norm, 1.0)[..., None].astype(xs.dtype)
             z = (unit @ self.rot[i].T) * math.sqrt(s.padded_dim)  # [T, Hkv, D_s]
             codes = mx.sum(z[..., None] > self.bounds[i], axis=-1).astype(mx.uint8)  # searchsorted left
-            self.codes[i][slots] = codes
+            self.codes[i][slots] = self.packing[i].pack(codes)
             self.norms[i][slots] = norm.astype(mx.float16)
 
     def rotated(self, kv_slots: mx.array) -> mx.array:
         out = []
         for i, s in enumerate(self.sets):
             scale = mx.take(self.norms[i], kv_slots, axis=0).astype(self.dtype) / math.sqrt(s.padded_dim)
-            codes = mx.take(self.codes[i], kv_slots, axis=0).astype(mx.int32)
+            codes = self.packing[i].unpack(mx.take(self.codes[i], kv_slots, axis=0)).astype(mx.int32)
             out.append(mx.take(self.cent[i], codes) * scale[..., None])
         return mx.concatenate(out, axis=-1)
 
@@ -160,7 +191,8 @@ class _QJLKeys:
     def __init__(self, bits: int, slots: int, heads: int, head_dim: int, seed: int, dtype: mx.Dtype):
         self.mse = _CodedSets(mse_sets(bits - 1, head_dim, seed), slots, heads, head_dim, dtype)
         self.sketch = mx.array(qjl_sketch(head_dim, bits, seed)).astype(dtype)
-        self.signs = mx.zeros((slots, heads, head_dim), dtype=mx.int8)
+        self.sign_packing = MlxCodePacking(1, head_dim)  # bit j: sketch row j of the residual >= 0
+        self.signs = mx.zeros((slots, heads, self.sign_packing.width), dtype=mx.uint8)
         self.res_norms = mx.zeros((slots, heads), dtype=mx.float16)
         self.head_dim = head_dim
 
@@ -171,13 +203,14 @@ class _QJLKeys:
         self.mse.write(x, slots)
         decoded = self.mse.unrotate(self.mse.rotated(slots[None])[0], 1)
         r = x.astype(decoded.dtype) - decoded
-        self.signs[slots] = mx.where(r @ self.sketch.T >= 0, 1, -1).astype(mx.int8)
+        self.signs[slots] = self.sign_packing.pack((r @ self.sketch.T >= 0).astype(mx.uint8))
         self.res_norms[slots] = mx.sqrt(mx.sum(r.astype(mx.float32) ** 2, axis=-1)).astype(mx.float16)
 
     def rotated(self, kv_slots: mx.array) -> mx.array:
         scale = mx.take(self.res_norms, kv_slots, axis=0).astype(self.mse.dtype)
         scale = scale * (math.sqrt(math.pi / 2) / self.head_dim)
-        sketch = mx.take(self.signs, kv_slots, axis=0).astype(self.mse.dtype) * scale[..., None]
+        signs = self.sign_packing.unpack(mx.take(self.signs, kv_slots, axis=0)).astype(self.mse.dtype) * 2 - 1
+        sketch = signs * scale[..., None]  # signs: [B, L, Hkv, D] of +-1
         return mx.concatenate([self.mse.rotated(kv_slots), sketch], axis=-1)
 
     def rotate_queries(self, q: mx.array, group: int) -> mx.array:
@@ -201,6 +234,11 @@ class MlxTQKV:
     def arrays(self) -> list[mx.array]:
         """Every cache array (evaluated with the logits at the end of a step)."""
         return [*self.keys.arrays(), *self.values.arrays()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layer's cache holds: packed codes, norms, QJL signs."""
+        return sum(a.nbytes for a in self.arrays())
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, ctx: Any, mask: mx.array,
                   scale: float) -> mx.array:
