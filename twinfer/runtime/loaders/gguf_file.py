@@ -18,7 +18,7 @@ import numpy as np
 from twinfer.runtime.errors import ModelError, UnsupportedArchitecture, WeightError
 from twinfer.runtime.loaders.gguf_reader import GGUFContents, TensorInfo, ggml_type_name
 from twinfer.runtime.loaders.names import GGUF_TABLES, map_weights
-from twinfer.runtime.loaders.weights import WeightSet
+from twinfer.runtime.loaders.weights import FLOAT_STORAGE, Region, WeightSet, widen
 from twinfer.runtime.models import GGUF_ARCHS
 from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
 
@@ -39,23 +39,41 @@ class GGUFTensor:
     contents: GGUFContents
 
     def read(self) -> np.ndarray:
+        raw = self.contents.tensor_bytes(self.info)
+        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        values = self._dequantize(raw.reshape(rows, -1))
+        # F32 comes back as a view of the read-only mapping: copy it; other types are fresh arrays.
+        if self.dtype == "F32":
+            return np.array(values, dtype=np.float32).reshape(self.shape)
+        return np.asarray(values, dtype=np.float32).reshape(self.shape)
+
+    def read_region(self, region: Region) -> np.ndarray:
+        """`read()[region]` without reading what lies outside it, where the layout allows.
+
+        Float tensors (F32, F16, BF16) are arrays in the mapping: the region is cut before converting.
+        A quantized tensor's blocks run along the last axis, so whole rows are read: the leading axes'
+        slices (output rows, experts) select rows of blocks, and a slice of the last axis (input
+        columns) is cut after dequantizing those rows; for a 2-D matrix that is a full read.
+        """
+        raw = self.contents.tensor_bytes(self.info)
+        if self.dtype in FLOAT_STORAGE:
+            return widen(raw.view(FLOAT_STORAGE[self.dtype]).reshape(self.shape)[region], self.dtype)
+        packed = raw.reshape(*self.shape[:-1], -1)[region[:-1]]  # [..rows.., bytes of one row]
+        rows = self._dequantize(packed.reshape(-1, packed.shape[-1])).reshape(*packed.shape[:-1], self.shape[-1])
+        return np.ascontiguousarray(rows[..., region[-1]], dtype=np.float32)
+
+    def _dequantize(self, rows: np.ndarray) -> np.ndarray:
+        """[rows, bytes of a row] stored bytes -> [rows, row length] values, with gguf-py's reference code."""
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        raw = self.contents.tensor_bytes(self.info)
-        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
-        qtype = GGMLQuantizationType(self.info.ggml_type)
         try:
-            values = dequantize(raw.reshape(rows, -1), qtype)
+            return dequantize(rows, GGMLQuantizationType(self.info.ggml_type))
         except NotImplementedError as e:
             raise WeightError(
                 f"tensor {self.name!r} in {self.file} is stored as {self.dtype}, which twinfer cannot "
                 "dequantize; re-quantize the model to a K-quant, Q8_0 or a float type"
             ) from e
-        # F32 comes back as a view of the read-only mapping: copy it; other types are fresh arrays.
-        if qtype == GGMLQuantizationType.F32:
-            return np.array(values, dtype=np.float32).reshape(self.shape)
-        return np.asarray(values, dtype=np.float32).reshape(self.shape)
 
 
 def read_gguf(path: Path) -> GGUFContents:

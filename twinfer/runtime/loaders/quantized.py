@@ -21,7 +21,7 @@ import numpy as np
 
 from twinfer.runtime.errors import ModelError, WeightError
 from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor, read_safetensors
-from twinfer.runtime.loaders.weights import Shape, WeightEntry, WeightSet
+from twinfer.runtime.loaders.weights import Region, Shape, WeightEntry, WeightSet
 from twinfer.runtime.spec import MLASpec, ModelSpec, MoESpec
 
 QUANT_METHOD = "twinfer"
@@ -112,6 +112,12 @@ class QuantizedWeightSet(WeightSet):
             return QuantizedWeight.from_tensors(self._qmeta[name], arrays)
         except (KeyError, ValueError) as e:
             raise WeightError(f"quantized tensor {name!r} cannot be rebuilt: {e}") from e
+
+    def load_region(self, name: str, region: Region) -> np.ndarray:
+        if name in self._qmeta:
+            raise WeightError(f"quantized tensor {name!r} cannot be read in parts; shard the float model "
+                              "instead, or run this quantized folder in one process")
+        return super().load_region(name, region)
 
     def shape(self, name: str) -> Shape:
         if name in self._qmeta:

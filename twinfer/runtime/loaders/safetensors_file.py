@@ -14,9 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from twinfer.runtime.errors import ModelError, WeightError
-
-# safetensors dtype -> numpy dtype of the stored bytes (BF16 is read as uint16 and widened).
-_DTYPES: dict[str, str] = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
+from twinfer.runtime.loaders.weights import FLOAT_STORAGE, Region, widen
 
 
 @dataclass(frozen=True)
@@ -32,19 +30,23 @@ class SafetensorsTensor:
     data: np.memmap
 
     def read(self) -> np.ndarray:
-        if self.dtype not in _DTYPES:
+        return widen(self.stored(), self.dtype)
+
+    def read_region(self, region: Region) -> np.ndarray:
+        """Only the region's elements are copied out of the mapping (what `safe_open(...).get_slice` does;
+        its numpy framework cannot read BF16, so the mapping is sliced here)."""
+        return widen(self.stored()[region], self.dtype)
+
+    def stored(self) -> np.ndarray:
+        """The stored values as a read-only view of the file mapping (BF16 as uint16), shaped."""
+        if self.dtype not in FLOAT_STORAGE:
             raise WeightError(
                 f"tensor {self.name!r} in {self.file} is stored as {self.dtype}; twinfer reads F32, F16 "
                 "and BF16 safetensors (dequantize the checkpoint first)"
             )
-        stored = np.dtype(_DTYPES[self.dtype])
+        stored = np.dtype(FLOAT_STORAGE[self.dtype])
         count = self.nbytes // stored.itemsize
-        raw = np.frombuffer(self.data, dtype=stored, count=count, offset=self.offset)
-        if self.dtype == "BF16":  # bf16 is the top half of a float32
-            values = (raw.astype(np.uint32) << 16).view(np.float32)
-        else:
-            values = raw.astype(np.float32)  # always a copy, so the caller may modify it
-        return values.reshape(self.shape)
+        return np.frombuffer(self.data, dtype=stored, count=count, offset=self.offset).reshape(self.shape)
 
 
 def read_safetensors(path: Path) -> dict[str, SafetensorsTensor]:

@@ -3,6 +3,9 @@
 A `StoredTensor` is one tensor as the file holds it (GGUF block-quantized bytes or a safetensors
 array). A canonical weight is built from one or more stored tensors by an optional named transform
 (`TRANSFORMS`): a norm shift, un-permuting llama.cpp's rope layout, stacking or splitting experts.
+
+`WeightSet.load_region` reads a box of a weight (a tensor-parallel rank's rows or columns, an expert
+group's experts) from the file without reading the rest, where the format and transform allow.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ from twinfer.runtime.errors import WeightError
 from twinfer.runtime.spec import ModelSpec
 
 Shape = tuple[int, ...]
+Region = tuple[slice, ...]
+"""A box of a tensor: one `slice(start, stop)` per leading axis (step 1); axes left out are whole."""
+
+# Float formats stored as plain arrays: numpy dtype of the stored bytes (BF16 read as uint16 and widened).
+FLOAT_STORAGE: dict[str, str] = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
+
+
+def widen(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored float values (`FLOAT_STORAGE[dtype]`, often a view of the file) as a fresh float32 array."""
+    if dtype == "BF16":  # bf16 is the top half of a float32
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)  # always a copy, so the caller may modify it
 
 
 class StoredTensor(Protocol):
@@ -46,15 +61,34 @@ class StoredTensor(Protocol):
         """The values as a float32 array of `shape` (a fresh array the caller may modify)."""
         ...
 
+    def read_region(self, region: Region) -> np.ndarray:
+        """`read()[region]` as a fresh float32 array, reading only the region's bytes where the format allows.
+
+        `region` has one slice per axis with concrete bounds (see `WeightSet.load_region`).
+        """
+        ...
+
 
 # -- transforms ------------------------------------------------------------------------------------
+Finish = Callable[[list[np.ndarray]], np.ndarray]
+# A box of the canonical weight read from the sources: (which sources, the box of each, how to combine).
+Narrowed = tuple[list[int], Region, Finish]
+Narrow = Callable[[Region, list[Shape], ModelSpec], Narrowed | None]
+
+
 @dataclass(frozen=True)
 class Transform:
-    """How stored tensors become one canonical weight. `apply` and `shape` see the sources in order."""
+    """How stored tensors become one canonical weight. `apply` and `shape` see the sources in order.
+
+    `narrow` maps a box of the result (one slice per axis) to boxes of the sources, so a part of the
+    weight is read without the rest; it returns None where the box cannot be (a head split by the box
+    of a rope un-permute), and None as the field means the whole weight is read and then cut.
+    """
 
     apply: Callable[[list[np.ndarray], ModelSpec], np.ndarray]
     shape: Callable[[list[Shape], ModelSpec], Shape]
     many: bool = False  # takes one source per expert ({e} in the rule)
+    narrow: Narrow | None = None
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -62,6 +96,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     # (x0, x_half, x1, x_half+1, ...) back to HF's half-split rope layout.
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute_transform(heads: Callable[[ModelSpec], int]) -> Transform:
+    def narrow(box: Region, s: list[Shape], spec: ModelSpec) -> Narrowed | None:
+        per_head = s[0][0] // heads(spec)
+        rows = box[0]
+        if rows.start % per_head or rows.stop % per_head:
+            return None  # the permutation is within a head: only whole heads un-permute on their own
+        n = (rows.stop - rows.start) // per_head
+        return [0], box, lambda a: _unpermute(a[0], n)
+
+    return Transform(lambda a, spec: _unpermute(a[0], heads(spec)), _same, narrow=narrow)
 
 
 def _half(part: int) -> Transform:
@@ -73,7 +119,17 @@ def _half(part: int) -> Transform:
     def shape(s: list[Shape], spec: ModelSpec) -> Shape:
         return (s[0][0], s[0][1] // 2, *s[0][2:])
 
-    return Transform(apply, shape)
+    def narrow(box: Region, s: list[Shape], spec: ModelSpec) -> Narrowed:
+        first = part * (s[0][1] // 2)
+        rows = slice(box[1].start + first, box[1].stop + first)
+        return [0], (box[0], rows, *box[2:]), lambda a: a[0]
+
+    return Transform(apply, shape, narrow=narrow)
+
+
+def _stack_narrow(box: Region, s: list[Shape], spec: ModelSpec) -> Narrowed | None:
+    experts = list(range(box[0].start, box[0].stop))
+    return (experts, box[1:], np.stack) if experts else None  # only the chosen experts' tensors are read
 
 
 def _same(s: list[Shape], spec: ModelSpec) -> Shape:
@@ -82,10 +138,12 @@ def _same(s: list[Shape], spec: ModelSpec) -> Shape:
 
 TRANSFORMS: dict[str, Transform] = {
     # Gemma's RMSNorm computes x * (1 + w) in HF checkpoints; canonical norms hold the multiplier.
-    "norm_plus_one": Transform(lambda a, spec: a[0] + np.float32(1.0), _same),
-    "unpermute_q": Transform(lambda a, spec: _unpermute(a[0], spec.num_heads), _same),
-    "unpermute_k": Transform(lambda a, spec: _unpermute(a[0], spec.num_kv_heads), _same),
-    "stack_experts": Transform(lambda a, spec: np.stack(a), lambda s, spec: (len(s), *s[0]), many=True),
+    "norm_plus_one": Transform(lambda a, spec: a[0] + np.float32(1.0), _same,
+                               narrow=lambda box, s, spec: ([0], box, lambda a: a[0] + np.float32(1.0))),
+    "unpermute_q": _unpermute_transform(lambda spec: spec.num_heads),
+    "unpermute_k": _unpermute_transform(lambda spec: spec.num_kv_heads),
+    "stack_experts": Transform(lambda a, spec: np.stack(a), lambda s, spec: (len(s), *s[0]), many=True,
+                               narrow=_stack_narrow),
     "gate_half": _half(0),
     "up_half": _half(1),
 }
@@ -124,6 +182,24 @@ class WeightSet(Mapping[str, np.ndarray]):
         entry = self._entry(name)
         arrays = [s.read() for s in entry.sources]
         out = arrays[0] if entry.transform is None else TRANSFORMS[entry.transform].apply(arrays, self.spec)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def load_region(self, name: str, region: Region) -> np.ndarray:
+        """`load(name)[region]`, reading only the region's bytes where the stored format and the
+        transform allow (`StoredTensor.read_region`, `Transform.narrow`); otherwise the whole weight
+        is read and cut. Returns a C-contiguous float32 array."""
+        entry = self._entry(name)
+        shape = entry.shape(self.spec)
+        box = full_region(region, shape, name)
+        if entry.transform is None:
+            plan: Narrowed | None = [0], box, lambda a: a[0]
+        else:
+            narrow = TRANSFORMS[entry.transform].narrow
+            plan = None if narrow is None else narrow(box, [s.shape for s in entry.sources], self.spec)
+        if plan is None:
+            return np.ascontiguousarray(self.load(name)[box])
+        picked, sub, finish = plan
+        out = finish([entry.sources[i].read_region(sub) for i in picked])
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def shape(self, name: str) -> Shape:
@@ -166,3 +242,14 @@ class WeightSet(Mapping[str, np.ndarray]):
 
     def __repr__(self) -> str:
         return f"WeightSet({len(self._entries)} weights of {self.spec.model_type})"
+
+
+def full_region(region: Region, shape: Shape, name: str = "tensor") -> Region:
+    """`region` with one `slice(start, stop)` per axis of `shape` (whole axes filled in, bounds concrete)."""
+    if len(region) > len(shape) or any(r.step not in (None, 1) for r in region):
+        raise ValueError(f"region {region} of {name!r} {shape}: at most one step-1 slice per axis")
+    out = []
+    for i, n in enumerate(shape):
+        start, stop, _ = region[i].indices(n) if i < len(region) else (0, n, 1)
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)

@@ -7,7 +7,6 @@ parallelism is a transform of the built model, never a flag inside `forward`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,7 +18,15 @@ from twinfer.backends.cuda.ops import TorchOps
 from twinfer.backends.cuda.parallel.comm import Comm
 from twinfer.backends.cuda.parallel.dispatch import all_to_all_moe
 from twinfer.backends.cuda.parallel.layout import ParallelConfig, RankPosition
-from twinfer.backends.cuda.parallel.shard import EXPERTS, ROW, VOCAB, local_spec, owned, shard
+from twinfer.backends.cuda.parallel.shard import (
+    EXPERTS,
+    ROW,
+    VOCAB,
+    WeightReader,
+    local_spec,
+    read_part,
+    shard_request,
+)
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.models import model_for
 from twinfer.runtime.ops import Ops
@@ -78,8 +85,8 @@ class ParallelTorchOps(TorchOps):
 class ShardedModel:
     """One rank's stage of the model. Every rank calls `step` with the same batch, in the same order."""
 
-    def __init__(self, spec: ModelSpec, pos: RankPosition, names: Iterable[str], load: Callable[[str], Any],
-                 *, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int):
+    def __init__(self, spec: ModelSpec, pos: RankPosition, weights: WeightReader, *, device: torch.device,
+                 dtype: torch.dtype, num_blocks: int, block_size: int):
         pos.config.check(spec)
         self.spec, self.pos = spec, pos
         self.comms: dict[str, Comm] = {}
@@ -89,12 +96,12 @@ class ShardedModel:
         self.ops.config = pos.config
         self.model = model_for(self.local)
         self.weights: dict[str, Any] = {}
-        for name in names:
-            if name == "lm_head" and spec.tie_word_embeddings or not owned(name, spec, pos):
+        for name in weights.names():
+            part = shard_request(name, weights.shape(name), spec, pos)
+            if part is None:  # another stage's weight: never read
                 continue
-            s = shard(name, np.asarray(load(name)), spec, pos)
-            t = self.ops.weight(name, s.value)
-            self.weights[name] = Sharded(t, s.kind, s.offset) if s.kind in (ROW, VOCAB, EXPERTS) else t
+            t = self.ops.weight(name, read_part(weights, name, part))
+            self.weights[name] = Sharded(t, part.kind, part.offset) if part.kind in (ROW, VOCAB, EXPERTS) else t
         if "lm_head" in self.weights and "embed" not in self.weights:
             self.weights["embed"] = self.weights["lm_head"]  # `Model.logits` evaluates w["embed"] as its default
 

@@ -14,7 +14,6 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.multiprocessing as mp
 from twinfer.backends.cuda.parallel.comm import Comm, make_comm, make_store
 from twinfer.backends.cuda.parallel.layout import ParallelConfig, RankPosition
 from twinfer.backends.cuda.parallel.model import ShardedModel
+from twinfer.backends.cuda.parallel.shard import HostWeights, WeightReader
 from twinfer.backends.cuda.parallel.wire import STEP, STOP, decode, encode
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.errors import BackendUnavailable
@@ -36,20 +36,21 @@ from twinfer.runtime.spec import ModelSpec
 
 @dataclass(frozen=True)
 class WeightSource:
-    """Where every rank reads the full weights from: a model path, or (tests) a spec and host arrays."""
+    """Where every rank reads its part of the weights from: a model path, or (tests) a spec and host arrays."""
 
     path: str | None = None
     spec: ModelSpec | None = None
     weights: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
-    def open(self) -> tuple[ModelSpec, list[str], Callable[[str], Any]]:
+    def open(self) -> tuple[ModelSpec, WeightReader]:
+        """The spec and a reader; opening a model file reads its header, not its tensors."""
         if self.path is not None:
             from twinfer.runtime.loaders import load_model
 
             loaded = load_model(Path(self.path))
-            return loaded.spec, list(loaded.weights.names()), loaded.weights.load
+            return loaded.spec, loaded.weights
         assert self.spec is not None and self.weights is not None
-        return self.spec, list(self.weights), self.weights.__getitem__
+        return self.spec, HostWeights(self.weights)
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,9 @@ def build_shard(source: WeightSource, config: ParallelConfig, rank: int, opts: R
                 local_rank: int) -> ShardedModel:
     """This rank's sharded model (weights loaded, process groups not yet joined)."""
     torch.set_num_threads(max(1, opts.threads))
-    spec, names, load = source.open()
+    spec, weights = source.open()
     pos = RankPosition(config, rank, spec.num_layers)
-    return ShardedModel(spec, pos, names, load, device=_device(opts, local_rank), dtype=getattr(torch, opts.dtype),
+    return ShardedModel(spec, pos, weights, device=_device(opts, local_rank), dtype=getattr(torch, opts.dtype),
                         num_blocks=opts.kv.num_blocks, block_size=opts.block_size)
 
 

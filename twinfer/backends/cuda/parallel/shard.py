@@ -1,4 +1,4 @@
-"""Sharding as a transform of a built model's weights: full canonical tensors -> one rank's slices.
+"""Sharding as a transform of a built model's weights: which part of each weight one rank reads.
 
 Rules (Megatron-style): Q/K/V and the MLP's gate/up are column-parallel (split by output rows, by
 whole heads for attention); O and down are row-parallel (split by input columns, summed across the
@@ -7,17 +7,23 @@ expert groups, each expert's width across tensor ranks; norms and the router are
 pipeline stage keeps only its own layers (the embedding on the first stage, norm and lm_head on
 the last). Fewer KV heads than tensor ranks are replicated, so every rank holds the KV head its
 query heads read.
+
+`shard_request` is the one place these rules live. A rank reads exactly the box it names from the
+model file (`WeightSet.load_region`: a slice of the file, not the full tensor) and never opens the
+weights of other stages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
 from twinfer.backends.cuda.parallel.layout import RankPosition
 from twinfer.runtime.errors import WeightError
+from twinfer.runtime.loaders.weights import Region
 from twinfer.runtime.spec import ModelSpec
 
 REPLICATED, COLUMN, ROW, VOCAB, EXPERTS = "replicated", "column", "row", "vocab", "experts"
@@ -25,12 +31,47 @@ _REPLICATED = {"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_no
 
 
 @dataclass(frozen=True)
-class Shard:
-    """One rank's slice of a weight and how the forward pass combines it across ranks."""
+class Part:
+    """What one rank holds of a weight: the box it reads and how the forward pass combines it."""
 
-    value: Any  # numpy array
     kind: str  # REPLICATED, COLUMN, ROW, VOCAB or EXPERTS
+    region: Region = ()  # one slice per leading axis; () is the whole tensor
     offset: int = 0  # VOCAB: first token id; EXPERTS: first expert id
+
+
+class WeightReader(Protocol):
+    """Where a rank reads weights: a loader's `WeightSet`, or `HostWeights` (arrays in memory, tests).
+
+    `ShardedModel` asks `shape` of every name, then calls `load` (replicated weights) or
+    `load_region` (everything split) once for each weight its stage holds, and nothing else.
+    """
+
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def load(self, name: str) -> np.ndarray: ...
+
+    def load_region(self, name: str, region: Region) -> np.ndarray: ...
+
+
+class HostWeights:
+    """A WeightReader over canonical float32 arrays already in memory."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def names(self) -> list[str]:
+        return list(self.arrays)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def load(self, name: str) -> np.ndarray:
+        return np.array(self.arrays[name], dtype=np.float32)
+
+    def load_region(self, name: str, region: Region) -> np.ndarray:
+        return np.array(self.arrays[name][region], dtype=np.float32)
 
 
 def local_spec(spec: ModelSpec, pos: RankPosition) -> ModelSpec:
@@ -56,41 +97,45 @@ def owned(name: str, spec: ModelSpec, pos: RankPosition) -> bool:
     return pos.last_stage  # norm, lm_head
 
 
-def shard(name: str, value: np.ndarray, spec: ModelSpec, pos: RankPosition) -> Shard:
-    """This rank's slice of the full tensor `name`; WeightError for a name no rule covers."""
+def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankPosition) -> Part | None:
+    """The part of weight `name` (full shape `shape`) this rank reads, or None when its stage holds none
+    of it; WeightError for a name no rule covers."""
+    if not owned(name, spec, pos) or name == "lm_head" and spec.tie_word_embeddings:
+        return None  # a tied lm_head is the embedding's rows
     tp, t = pos.config.tp, pos.tp_rank
     if name in ("embed", "lm_head"):
         n = spec.vocab_size // tp
-        return Shard(value[t * n : (t + 1) * n], VOCAB, t * n)
-    if name == "norm":
-        return Shard(value, REPLICATED)
+        return Part(VOCAB, (slice(t * n, (t + 1) * n),), t * n)
     part = name.split(".", 2)[-1] if name.startswith("layers.") else name
-    if part in _REPLICATED:
-        return Shard(value, REPLICATED)
+    if name == "norm" or part in _REPLICATED:
+        return Part(REPLICATED)
     D = spec.head_dim
     if part in ("q", "q_bias"):
         h = spec.num_heads // tp
-        return Shard(value[t * h * D : (t + 1) * h * D], COLUMN)
+        return Part(COLUMN, (slice(t * h * D, (t + 1) * h * D),))
     if part in ("k", "v", "k_bias", "v_bias"):
         kv = spec.num_kv_heads
         first, n = (t * kv // tp, kv // tp) if kv % tp == 0 else (t * kv // tp, 1)
-        return Shard(value[first * D : (first + n) * D], COLUMN)
+        return Part(COLUMN, (slice(first * D, (first + n) * D),))
     if part == "o":
         h = spec.num_heads // tp
-        return Shard(value[:, t * h * D : (t + 1) * h * D], ROW)
+        return Part(ROW, (slice(None), slice(t * h * D, (t + 1) * h * D)))
     if part in ("gate", "up"):
-        n = value.shape[0] // tp
-        return Shard(value[t * n : (t + 1) * n], COLUMN)
+        n = shape[0] // tp
+        return Part(COLUMN, (slice(t * n, (t + 1) * n),))
     if part == "down":
-        n = value.shape[1] // tp
-        return Shard(value[:, t * n : (t + 1) * n], ROW)
+        n = shape[1] // tp
+        return Part(ROW, (slice(None), slice(t * n, (t + 1) * n)))
     if part.startswith("experts."):
-        ep, g = pos.config.ep, pos.expert_group
-        e = value.shape[0] // ep
-        mine = value[g * e : (g + 1) * e]  # [E/ep, I, C] or [E/ep, C, I]
-        axis = 2 if part == "experts.down" else 1
-        n = mine.shape[axis] // tp
-        sl = [slice(None)] * 3
-        sl[axis] = slice(t * n, (t + 1) * n)
-        return Shard(mine[tuple(sl)], EXPERTS, g * e)
+        g, e = pos.expert_group, shape[0] // pos.config.ep
+        axis = 2 if part == "experts.down" else 1  # each expert's width: [E, I, C] rows, [E, C, I] columns
+        n = shape[axis] // tp
+        box = [slice(g * e, (g + 1) * e), slice(None), slice(None)]
+        box[axis] = slice(t * n, (t + 1) * n)
+        return Part(EXPERTS, tuple(box), g * e)
     raise WeightError(f"no tensor-parallel rule for weight {name!r}; the parallel torch backend cannot split it")
+
+
+def read_part(weights: WeightReader, name: str, part: Part) -> np.ndarray:
+    """This rank's part of `name`: the whole weight when replicated, else only the box's values."""
+    return weights.load_region(name, part.region) if part.region else weights.load(name)
