@@ -111,7 +111,7 @@ def _dequant_elems(profile: ModelProfile, device: Device, mix: Mix, touched: flo
             n = n if profile.tied else 0.0
         elif comp in ("experts", "experts_down") and profile.moe:
             n *= touched / profile.moe.num_experts
-        for fname, share in mix.split(comp):
+        for fname, share in profile.split(mix, comp):
             if not _native(device, fname):
                 elems += n * share
                 ops += n * share * FORMATS[fname].dequant_ops

@@ -131,7 +131,7 @@ def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request:
     if s.prune:
         warnings.append(f"pruned {s.prune:.0%} of the {'experts' if c.profile.moe else 'layers'} to fit: expect a "
                         "clear quality loss; measure it with `twinfer eval kl` before relying on it")
-    if s.mix.tier >= LOSSY or s.kv.tier >= LOSSY:
+    if c.profile.mix_tier(s.mix) >= LOSSY or s.kv.tier >= LOSSY:
         warnings.append(f"{s.mix.label} / KV {s.kv.label} is a lossy format, chosen because nothing better fits")
     if c.profile.stored is not None and s.mix is not c.profile.stored:
         warnings.append("requantizing an already quantized GGUF compounds its error; start from the original weights "

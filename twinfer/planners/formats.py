@@ -69,9 +69,26 @@ GGML_TYPES = {
     30: "bf16", 34: "tq1_0", 35: "tq2_0", 39: "mxfp4",
 }
 
-# Model components a mix assigns formats to (model.py counts parameters per component).
-COMPONENTS = ("embed", "lm_head", "attn", "attn_v", "mlp", "mlp_down", "experts", "experts_down",
+# Model components a mix assigns formats to (model.py counts parameters per component). `attn` is the
+# q and k projections (MLA: its down/up projections), `attn_out` the output projection.
+COMPONENTS = ("embed", "lm_head", "attn", "attn_v", "attn_out", "mlp", "mlp_down", "experts", "experts_down",
               "shared", "router", "norm")
+
+# K-quants and IQ types pack rows in super-blocks of QK_K weights; a tensor whose row length (ne[0], the
+# input dim) is not a multiple gets another type from llama.cpp's quantizer (llama-quant.cpp,
+# `convert_incompatible_tensor`, `tensor_type_fallback` in newer versions). Q2_K/Q3_K go to Q4_0 in the
+# llama.cpp installed here (older versions chose IQ4_NL): requantizing Gemma 3 270M (hidden 640) to
+# Q2_K and Q3_K_M wrote Q4_0, and IQ4_XS wrote IQ4_NL, for every projection with 640 inputs.
+QK_K = 256
+KQUANT_FALLBACK = {
+    "q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
+    "iq2_xxs": "iq4_nl", "iq3_xxs": "iq4_nl", "iq4_xs": "iq4_nl", "tq1_0": "q4_0", "tq2_0": "q4_0",
+}
+
+
+def written_format(fmt: str, row_length: int) -> str:
+    """The type llama.cpp writes for `fmt` on rows of `row_length` weights (a K-quant may not fit them)."""
+    return KQUANT_FALLBACK[fmt] if fmt in KQUANT_FALLBACK and row_length % QK_K else fmt
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,7 @@ class Mix:
     engines: tuple[str, ...] = ()  # runners that can execute it ("" = any)
     exact: tuple[tuple[str, float], ...] = ()  # measured bits per component (a GGUF's stored sizes)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    writer: str = ""  # "llamacpp": written by llama.cpp's quantizer, whose per-tensor rules model.py applies
 
     def split(self, component: str) -> tuple[tuple[str, float], ...]:
         for comp, formats in self.parts:
@@ -121,26 +139,30 @@ def _half(a: str, b: str) -> tuple[tuple[str, float], ...]:
 
 
 def _gguf(name: str, default: str, v_down: tuple[tuple[str, float], ...] | None, out: str,
-          embed: str | None = None) -> Mix:
+          embed: str | None = None, attn_out: str | None = None) -> Mix:
     parts: list[tuple[str, tuple[tuple[str, float], ...]]] = [("lm_head", ((out, 1.0),))]
     if v_down:
         parts += [("attn_v", v_down), ("mlp_down", v_down), ("experts_down", v_down)]
     if embed:
         parts.append(("embed", ((embed, 1.0),)))
-    return Mix(name, default, tuple(parts), label=name.upper(), engines=("llamacpp",))
+    if attn_out:
+        parts.append(("attn_out", ((attn_out, 1.0),)))
+    return Mix(name, default, tuple(parts), label=name.upper(), engines=("llamacpp",), writer="llamacpp")
 
 
-# llama.cpp's mixes (src/llama-quant.cpp): output.weight in Q6_K for most types; `_M` types raise
-# attn_v/ffn_down to a higher type in about half the layers.
+# llama.cpp's mixes (src/llama-quant.cpp, `llama_tensor_get_type`): output.weight in Q6_K for most
+# types (a tied token_embd is quantized as the output); `_M` types raise attn_v/ffn_down to a higher
+# type in about half the layers, except Q3_K_M: Q5_K in the first 1/16 of ffn_down (and the first two
+# attn_v), Q4_K in the rest and in attn_output. Q2_K writes attn_output in Q3_K.
 MIXES: dict[str, Mix] = {m.name: m for m in [
     Mix("bf16", "bf16", label="BF16"),
     Mix("f16", "f16", label="F16", engines=("llamacpp", "torch", "mlx")),
     Mix("f32", "f32", label="F32"),
     Mix("fp8", "fp8", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),))), label="FP8"),
-    Mix("nvfp4", "nvfp4", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),)),
-                           ("attn", (("fp8", 1.0),)), ("attn_v", (("fp8", 1.0),))), label="NVFP4"),
-    Mix("mxfp4", "mxfp4", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),)),
-                           ("attn", (("fp8", 1.0),)), ("attn_v", (("fp8", 1.0),))), label="MXFP4"),
+    Mix("nvfp4", "nvfp4", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),)), ("attn", (("fp8", 1.0),)),
+                           ("attn_v", (("fp8", 1.0),)), ("attn_out", (("fp8", 1.0),))), label="NVFP4"),
+    Mix("mxfp4", "mxfp4", (("embed", (("bf16", 1.0),)), ("lm_head", (("bf16", 1.0),)), ("attn", (("fp8", 1.0),)),
+                           ("attn_v", (("fp8", 1.0),)), ("attn_out", (("fp8", 1.0),))), label="MXFP4"),
     # gpt-oss as published: MXFP4 experts, everything else BF16.
     Mix("mxfp4-moe", "bf16", (("experts", (("mxfp4", 1.0),)), ("experts_down", (("mxfp4", 1.0),))),
         label="MXFP4 experts + BF16"),
@@ -156,8 +178,8 @@ MIXES: dict[str, Mix] = {m.name: m for m in [
     _gguf("q4_k_s", "q4_k", _half("q5_k", "q4_k"), "q6_k"),
     _gguf("q4_0", "q4_0", None, "q6_k"),
     _gguf("iq4_xs", "iq4_xs", None, "q6_k"),
-    _gguf("q3_k_m", "q3_k", _half("q5_k", "q4_k"), "q6_k"),
-    _gguf("q2_k", "q2_k", _half("q4_k", "q3_k"), "q6_k"),
+    _gguf("q3_k_m", "q3_k", (("q5_k", 1 / 16), ("q4_k", 15 / 16)), "q6_k", attn_out="q4_k"),
+    _gguf("q2_k", "q2_k", _half("q4_k", "q3_k"), "q6_k", attn_out="q3_k"),
     Mix("tq4", "tq4", (("embed", (("q8_0", 1.0),)), ("lm_head", (("q8_0", 1.0),))),
         label="TurboQuant-style 4-bit", engines=("torch", "mlx")),
     Mix("tq3", "tq3", (("embed", (("q8_0", 1.0),)), ("lm_head", (("q6_k", 1.0),))),

@@ -10,11 +10,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from twinfer.planners.formats import COMPONENTS, FORMATS, LOSSLESS, Mix
+from twinfer.planners.formats import COMPONENTS, FORMATS, LOSSLESS, Mix, written_format
 from twinfer.runtime.errors import PlanError
 from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
 
 ROUTING_LOCALITY = 0.8
+
+# Requantizing a quantized file: a tensor moved to another type adds REQUANT_KL_FACTOR times its target
+# format's table KL (a typical model's, from original weights). Fitted on llama.cpp's requantizations
+# of Gemma 3 270M Q4_K_M (docs/quantization.md): Q4_0 measured 0.447 and Q3_K_M 0.230 against unscaled
+# estimates 0.0112 and 0.0076, ratios 40 and 30, geometric mean 35; held out, IQ4_XS 0.204 (0.200
+# predicted) and Q2_K 0.554 (0.40). torch's nvfp4/mxfp4/int4 on that file's weights measure 40-65x their
+# table KL too, so the factor is mostly the small model's sensitivity: it likely overstates large models.
+REQUANT_KL_FACTOR = 35.0
 
 
 @dataclass(frozen=True)
@@ -89,8 +97,33 @@ class ModelProfile:
         e, k = self.moe.num_experts, self.moe.top_k
         return e * (1.0 - (1.0 - k / e) ** (max(batch, 1.0) ** ROUTING_LOCALITY))
 
+    def rows(self, component: str) -> tuple[tuple[int, float], ...]:
+        """(row length, share of the component's weights) of its matrices: the input dim, llama.cpp's ne[0]."""
+        return _row_lengths(self.spec, component)
+
+    def split(self, mix: Mix, component: str) -> tuple[tuple[str, float], ...]:
+        """(format, share) of `component` as stored under `mix`: for a mix llama.cpp's quantizer writes, a
+        tied embedding takes the output's type and a K-quant on rows it cannot hold falls back (formats.py)."""
+        if mix.exact:
+            return mix.split(component)
+        source = "lm_head" if (mix.writer == "llamacpp" and component == "embed" and self.tied
+                               and not any(c == "embed" for c, _ in mix.parts)) else component
+        out: dict[str, float] = {}
+        for fmt, share in mix.split(source):
+            for row, part in self.rows(component):
+                name = written_format(fmt, row)
+                out[name] = out.get(name, 0.0) + share * part
+        return tuple(out.items())
+
+    def bits(self, mix: Mix, component: str) -> float:
+        """Stored bits per weight of `component` under `mix` (a GGUF's measured ones when `mix` is the file)."""
+        exact = dict(mix.exact).get(component)
+        if exact is not None:
+            return exact
+        return sum(FORMATS[f].bits * share for f, share in self.split(mix, component))
+
     def bytes_of(self, mix: Mix, component: str) -> float:
-        return self.count(component) * mix.bits(component) / 8.0
+        return self.count(component) * self.bits(mix, component) / 8.0
 
     def weight_bytes(self, mix: Mix) -> float:
         return sum(self.bytes_of(mix, c) for c in COMPONENTS)
@@ -106,14 +139,27 @@ class ModelProfile:
         return mix is self.stored or (self.stored is None and mix.name == self.native)
 
     def mix_kl(self, mix: Mix) -> float:
-        """Expected KL of `mix` against the reference weights, weighted by each component's share."""
+        """Expected KL of `mix` against the reference weights, weighted by each component's share.
+
+        From a file whose per-tensor types are known (`stored`), only the weights `mix` moves to another
+        type add error: llama.cpp copies a tensor whose target type is its current one unchanged.
+        """
         if self.is_reference(mix):
             return 0.0
         total = self.total_params or 1.0
-        return sum(self.count(c) * share * FORMATS[f].kl for c in COMPONENTS for f, share in mix.split(c)) / total
+        if self.stored is None:
+            return sum(self.count(c) * share * FORMATS[f].kl for c in COMPONENTS
+                       for f, share in self.split(mix, c)) / total
+        return sum(self.count(c) * _requant_kl(self.split(self.stored, c), self.split(mix, c))
+                   for c in COMPONENTS) / total
 
     def mix_tier(self, mix: Mix) -> int:
-        return LOSSLESS if self.is_reference(mix) else FORMATS[mix.default].tier
+        """Fidelity tier: the lossiest format llama.cpp actually writes for its mixes, else the mix's default."""
+        if self.is_reference(mix):
+            return LOSSLESS
+        if mix.writer != "llamacpp":
+            return FORMATS[mix.default].tier
+        return max(FORMATS[f].tier for c in COMPONENTS if self.count(c) for f, share in self.split(mix, c) if share)
 
     def expert_bytes(self, mix: Mix) -> float:
         """Bytes of one routed expert in one layer."""
@@ -135,8 +181,43 @@ class ModelProfile:
         return total
 
 
-def _attention_params(s: ModelSpec) -> tuple[float, float]:
-    """(q, k, o projections, v projection) weights of one layer."""
+def _requant_kl(source: tuple[tuple[str, float], ...], target: tuple[tuple[str, float], ...]) -> float:
+    """Expected KL per weight of one component moved from `source` formats to `target` formats.
+
+    The share a format holds in both is copied unchanged (adds nothing); the rest adds its target
+    format's KL, scaled by REQUANT_KL_FACTOR when the source was already quantized.
+    """
+    src = dict(source)
+    quantized = any(FORMATS[f].bits < 16 for f in src)
+    factor = REQUANT_KL_FACTOR if quantized else 1.0
+    return sum(max(0.0, share - src.get(f, 0.0)) * FORMATS[f].kl * factor for f, share in target)
+
+
+def _row_lengths(s: ModelSpec, component: str) -> tuple[tuple[int, float], ...]:
+    """Input dims (llama.cpp's ne[0]) of a component's matrices, with each one's share of its weights."""
+    d = s.hidden_size
+    if component == "attn_out":
+        return ((s.num_heads * s.mla.v_head_dim if s.mla else s.q_size, 1.0),)
+    if component in ("attn", "attn_v") and s.mla is not None:
+        m = s.mla
+        if component == "attn_v":  # half of kv_b, whose input is the latent
+            return ((m.kv_lora_rank, 1.0),)
+        attn, _, _ = _attention_params(s)
+        q_b = m.q_lora_rank * s.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) if m.q_lora_rank else 0
+        kv_b = m.kv_lora_rank * s.num_heads * (m.qk_nope_head_dim + m.v_head_dim) / 2
+        rows = ((d, 1.0 - (q_b + kv_b) / attn), (m.q_lora_rank or d, q_b / attn), (m.kv_lora_rank, kv_b / attn))
+        return tuple(r for r in rows if r[1] > 0)
+    if component == "mlp_down":
+        return ((s.intermediate_size, 1.0),)
+    if component == "experts_down" and s.moe is not None:
+        return ((s.moe.expert_intermediate_size, 1.0),)
+    if component == "shared" and s.moe is not None:  # gate and up read the hidden state, down the expert's
+        return ((d, 2 / 3), (s.moe.shared_intermediate_size or s.moe.expert_intermediate_size, 1 / 3))
+    return ((d, 1.0),)
+
+
+def _attention_params(s: ModelSpec) -> tuple[float, float, float]:
+    """(q and k projections, v projection, o projection) weights of one layer."""
     d = s.hidden_size
     if s.mla is not None:
         m = s.mla
@@ -145,24 +226,25 @@ def _attention_params(s: ModelSpec) -> tuple[float, float]:
         kv_a = d * (m.kv_lora_rank + m.qk_rope_head_dim)
         kv_b = m.kv_lora_rank * s.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
         o = s.num_heads * m.v_head_dim * d
-        return q + kv_a + o + kv_b / 2, kv_b / 2
+        return q + kv_a + kv_b / 2, kv_b / 2, o
     q = d * s.q_size
     kv = d * s.kv_size
     o = s.q_size * d
     bias = (s.q_size + 2 * s.kv_size) if s.attention_bias else 0
-    return q + kv + o + bias, kv
+    return q + kv + bias, kv, o
 
 
 def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", source: str = "catalog",
                       notes: tuple[str, ...] = ()) -> ModelProfile:
     """Count a spec's weights per component (norm and bias vectors included, rotary tables not)."""
     d, L = spec.hidden_size, spec.num_layers
-    attn, attn_v = _attention_params(spec)
+    attn, attn_v, attn_out = _attention_params(spec)
     counts = {c: 0.0 for c in COMPONENTS}
     counts["embed"] = spec.vocab_size * d
     counts["lm_head"] = 0.0 if spec.tie_word_embeddings else spec.vocab_size * d
     counts["attn"] = attn * L
     counts["attn_v"] = attn_v * L
+    counts["attn_out"] = attn_out * L
     counts["norm"] = (2 * d + (2 * spec.head_dim if spec.qk_norm else 0)) * L + d
     moe = spec.moe
     for layer in range(L):

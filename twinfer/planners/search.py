@@ -88,7 +88,8 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
 
     Never a format bigger than the checkpoint (upcasting buys nothing), except FP8 and BF16 on a
     datacenter target, whose GPU may not run the published format natively; locally, never a
-    requantization to about the same size (it compounds error for no bytes saved).
+    requantization to about the same size (it compounds error for no bytes saved), except of a file
+    that does not fit as stored, where any smaller file beats pruning or no plan.
     """
     if requested not in ("auto", ""):
         if requested in ("stored", "native"):
@@ -99,7 +100,7 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
             return [profile.stored]
         own = profile.weight_bytes(profile.stored)
         names = LOCAL_MIXES if target == "local" else DATACENTER_MIXES
-        return [MIXES[n] for n in names if profile.weight_bytes(MIXES[n]) < 0.9 * own]
+        return [MIXES[n] for n in names if profile.weight_bytes(MIXES[n]) < own]
     native = mix(profile.native)
     if target == "local":
         base = MIXES[LOCAL_EQUIVALENT.get(native.name, native.name)]

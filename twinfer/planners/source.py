@@ -16,6 +16,7 @@ from twinfer.planners.model import ModelProfile
 from twinfer.runtime.errors import PlanError
 
 _ATTN_V = {"v", "v_bias"}
+_ATTN_OUT = {"o", "o_bias"}
 _MLP = {"gate", "up"}
 
 
@@ -34,6 +35,8 @@ def component(name: str, ndim: int) -> str:
         return "router"
     if leaf in _ATTN_V:
         return "attn_v"
+    if leaf in _ATTN_OUT:
+        return "attn_out"
     if leaf in _MLP:
         return "mlp"
     if leaf == "down":
