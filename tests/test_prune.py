@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twinfer.quant.prune import measure_influence, prune_model
+from twinfer.quant.kl import kl_rows
+from twinfer.quant.prune import measure_influence, prune_model, rank_layers_by_kl
 from twinfer.quant.prune_write import write_pruned_gguf, write_pruned_hf
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.errors import TwinferError
@@ -48,15 +49,39 @@ def test_a_block_that_does_nothing_is_removed_first() -> None:
     from twinfer.backends.cuda.runner import build_torch_runner
 
     spec, weights = _gemma3()
-    weights = dict(weights)
-    weights["layers.4.o"] = np.zeros_like(weights["layers.4.o"])  # attention adds 0
-    weights["layers.4.down"] = np.zeros_like(weights["layers.4.down"])  # MLP adds 0: the block is identity
+    weights = _identity(weights, [4])
     influence = measure_influence(build_torch_runner(spec, weights, kv_tokens=64), WINDOWS)  # type: ignore[arg-type]
     assert influence.layers[4] < 1e-6 < influence.layers.min(initial=1.0, where=np.arange(7) != 4)
     assert influence.layers_to_remove(1) == [4]
     assert influence.tokens == 48
     with pytest.raises(TwinferError, match="keep at least one"):
         influence.layers_to_remove(7)
+
+
+def _identity(weights: dict[str, np.ndarray], layers: list[int]) -> dict[str, np.ndarray]:
+    out = dict(weights)
+    for i in layers:  # attention and MLP add 0 (Gemma's post-norms of 0 are 0): the block passes x through
+        out[f"layers.{i}.o"] = np.zeros_like(out[f"layers.{i}.o"])
+        out[f"layers.{i}.down"] = np.zeros_like(out[f"layers.{i}.down"])
+    return out
+
+
+def test_greedy_kl_ranking_scores_what_removing_the_layers_costs() -> None:
+    from twinfer.backends.cuda.runner import build_torch_runner
+
+    spec, weights = _gemma3()
+    weights = _identity(weights, [4])
+    ranking = rank_layers_by_kl(build_torch_runner(spec, weights, kv_tokens=64), WINDOWS, 3)  # screens 1 row in 4
+    assert ranking.removed[0] == 4 and ranking.kl[0] < 1e-6  # removing a no-op block costs nothing
+    assert len(set(ranking.removed)) == 3 and ranking.rows == 48
+    assert ranking.kl[0] <= ranking.kl[1] <= ranking.kl[2]
+    # the ranking's KL is the pruned model's: skip the same blocks in a plain runner and measure
+    skipped = _identity(weights, list(ranking.removed[:2]))
+    kl = np.concatenate([kl_rows(_logits(build_torch_runner(spec, weights, kv_tokens=64), w),
+                                 _logits(build_torch_runner(spec, skipped, kv_tokens=64), w)) for w in WINDOWS]).mean()
+    np.testing.assert_allclose(ranking.kl[1], kl, rtol=1e-3, atol=1e-7)
+    with pytest.raises(TwinferError, match="keep at least one"):
+        rank_layers_by_kl(build_torch_runner(spec, weights, kv_tokens=64), WINDOWS, 7)
 
 
 def test_pruned_gguf_keeps_layer_types_and_matches_dropped_layers(tmp_path: Path) -> None:
@@ -108,7 +133,7 @@ def test_expert_routing_mass_ranks_experts(tmp_path: Path) -> None:
 
 
 def test_prune_default_model_runs_on_every_backend(tmp_path: Path, default_model: Path) -> None:
-    result = prune_model(str(default_model), str(tmp_path), layers=2, tokens=96, window=48, kl_tokens=47)
+    result = prune_model(str(default_model), str(tmp_path), layers=2, tokens=48, window=48, kl_tokens=47)
     assert len(result.removed_layers) == 2 and len(result.kept_layers) == 16
     assert result.kl is not None and 0.0 < result.kl.mean_kl < 5.0
     out = Path(result.out)

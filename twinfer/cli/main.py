@@ -199,19 +199,22 @@ def serve(
 def prune(
     model: ModelArg = None,
     out: Annotated[str, typer.Option("--out", help="Folder for the pruned model (or a .gguf file path).")] = "pruned",
-    layers: Annotated[int, typer.Option("--layers", help="Transformer blocks to remove (least block influence first).")] = 0,
+    layers: Annotated[int, typer.Option("--layers", help="Transformer blocks to remove (see --rank).")] = 0,
     experts: Annotated[int, typer.Option("--experts", help="Routed experts to remove per MoE layer (least routing mass).")] = 0,
-    corpus: Annotated[str, typer.Option("--corpus", help="Where influence is measured: prose, code or a text file.")] = "prose",
-    tokens: Annotated[int, typer.Option("--tokens", help="Corpus tokens to measure influence on.")] = 512,
+    corpus: Annotated[str, typer.Option("--corpus", help="Where layers are ranked: prose, code or a text file.")] = "prose",
+    tokens: Annotated[int, typer.Option("--tokens", help="Corpus tokens to rank layers on.")] = 512,
     window: Annotated[int, typer.Option("--window", help="Teacher-forced window length.")] = 256,
     backend: Annotated[str, typer.Option("--backend", help="torch or mlx: the backend that measures influence.")] = "torch",
     kl_tokens: Annotated[int, typer.Option("--kl-tokens", help="Tokens for KL(original || pruned); 0 skips it.")] = 512,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    rank: Annotated[str, typer.Option("--rank", help="How layers are chosen: kl (greedy, each removal the one that "
+                                      "keeps KL to the original lowest) or influence (ShortGPT block influence, "
+                                      "one pass).")] = "kl",
 ) -> None:
-    """Remove the least influential layers (block influence) and experts, write the model, report its KL."""
+    """Remove the layers (and experts) that cost least, write the model, report its KL."""
     from twinfer.cli.prune_cmd import run_prune
 
-    run_prune(model, out, layers, experts, corpus, tokens, window, backend, kl_tokens, json_out)
+    run_prune(model, out, layers, experts, corpus, tokens, window, backend, kl_tokens, json_out, rank)
 
 
 HardwareOpt = Annotated[
@@ -278,11 +281,19 @@ def quantize(
     granularity: Annotated[str, typer.Option("--granularity", help="Search groups: block (a layer's attn / mlp), layer or tensor.")] = "block",
     verify: Annotated[bool, typer.Option("--verify", help="MODEL is a quantized folder: re-check its KL window and warn on regression.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Affine (int4/int8) group: 32, 64 or 128 "  # noqa: UP045
+                                                      "(default 64; 32 with --gguf).")] = None,
+    gguf: Annotated[bool, typer.Option("--gguf", help="Also write DIR/model.gguf for llama.cpp (GGUF sources; int4 -> "
+                                       "Q4_1, mxfp4 -> MXFP4, no requantization). With a quantized folder as MODEL "
+                                       "and no --out: export it.")] = False,
+    gguf_int8: Annotated[bool, typer.Option("--gguf-int8-q8_0", help="With --gguf: requantize int8 tensors to Q8_0 "
+                                            "(lossy; without it int8 refuses to export).")] = False,
 ) -> None:
     """Quantize MODEL's weights to a bit budget, choosing formats by measured KL; write a loadable folder."""
     from twinfer.cli.quantize_cmd import run_quantize
 
-    run_quantize(model, out, budget, formats, search, tokens, corpus, granularity, verify, json_out)
+    run_quantize(model, out, budget, formats, search, tokens, corpus, granularity, verify, json_out,
+                 group_size, gguf, gguf_int8)
 
 
 def main() -> None:

@@ -1,8 +1,12 @@
 """Pruning: remove the transformer blocks (and MoE experts) that change the model least.
 
-Layers are ranked by *block influence* (ShortGPT, Men et al. 2024): 1 - cos(input, output) of each
-block's hidden states, averaged over tokens of a corpus. A block whose output nearly equals its input
-does little, so removing it costs the least. Experts are ranked per layer by how much routing mass
+Layers are ranked one of two ways. `kl` (the default) removes them greedily by what they cost at the
+output: each round tries every remaining layer on top of those already removed and keeps the removal
+with the least KL(original || pruned) on the corpus, which is what pruning is judged by. `influence`
+is ShortGPT's *block influence* (Men et al. 2024): 1 - cos(input, output) of each block's hidden
+states, averaged over tokens of a corpus; one pass, but local: a block that barely turns the residual
+stream can still matter downstream (on Gemma 3 270M it ranks the last block among the first six to
+go, which costs 6.9 nats, see docs/quantization.md). Experts are ranked per layer by how much routing mass
 they receive on the corpus: sum over tokens of the renormalized gate weight (routing frequency x gate
 weight). The pruned model is written in the input's format (see `prune_write.py`), so every backend
 that ran the original runs the pruned one.
@@ -10,6 +14,7 @@ that ran the original runs the pruned one.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +123,125 @@ def _score_window(runner: OpsRunner, ops: Any, seq: int, tokens: list[int], acc:
     runner.release(seq)
 
 
+# -- greedy removal by measured KL ------------------------------------------------------------------
+@dataclass(frozen=True)
+class KLRanking:
+    """Layers in the order greedy KL removal took them, and the mean KL after each removal."""
+
+    removed: tuple[int, ...]
+    kl: tuple[float, ...]  # KL(original || model without removed[: i + 1]), mean over the ranking's rows
+    rows: int  # rows (tokens) every finalist is scored on
+
+
+def rank_layers_by_kl(runner: Runner, windows: list[list[int]], n: int, stride: int = 4,
+                      finalists: int = 3) -> KLRanking:
+    """Remove `n` layers one at a time, each round the one that keeps KL to the full model lowest.
+
+    A round screens every remaining layer on every `stride`-th row (the output matrix dominates the
+    cost on big vocabularies), then scores the `finalists` best on every row and keeps the best of
+    those: KL per row is heavy-tailed, and a quarter of 512 rows misranks layers whose costs differ by
+    15% (measured on Gemma 3 270M). The hidden states entering each layer are computed once per window
+    and round, so trying layer j reruns only the layers after it.
+    """
+    if not isinstance(runner, OpsRunner):
+        raise TwinferError("ranking layers by KL needs the torch or mlx backend (--backend torch)")
+    L = runner.spec.num_layers
+    if not 0 <= n < L:
+        raise TwinferError(f"cannot remove {n} of {L} layers: keep at least one (0 <= --layers < {L})")
+    refs = [_Reference.of(_window_logits(runner, seq, tokens)) for seq, tokens in enumerate(windows, start=1)]
+    rows = sum(len(t) for t in windows)
+    if rows == 0:
+        raise TwinferError("no tokens were scored: give a longer corpus or more --tokens")
+    removed: list[int] = []
+    trail: list[float] = []
+    for _ in range(n):
+        left = [i for i in range(L) if i not in removed]
+        screen = _summed_kl(runner, windows, refs, removed, left, stride)
+        top = sorted(left, key=lambda i: (screen[i], i))[:finalists]
+        full = _summed_kl(runner, windows, refs, removed, top, 1) if stride > 1 else screen
+        best = min(top, key=lambda i: (full[i], i))
+        removed.append(best)
+        trail.append(full[best] / rows)
+    return KLRanking(tuple(removed), tuple(trail), rows)
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """The full model's next-token distributions of one window: p [T, V] and sum(p log p) per row."""
+
+    p: np.ndarray
+    neg_entropy: np.ndarray
+
+    @staticmethod
+    def of(logits: np.ndarray) -> _Reference:
+        from twinfer.quant.kl import log_softmax
+
+        lp = log_softmax(logits)
+        return _Reference(np.exp(lp).astype(np.float32), (np.exp(lp) * lp).sum(-1))
+
+    def kl(self, logits: np.ndarray, rows: np.ndarray) -> float:
+        """Summed KL(reference || softmax(logits)) over `rows`; `logits` are those rows' [R, V]."""
+        x = np.asarray(logits, dtype=np.float32)
+        top = x.max(-1, keepdims=True)
+        lse = top[:, 0] + np.log(np.exp(x - top).sum(-1, dtype=np.float64))
+        cross = (self.p[rows] * x).sum(-1, dtype=np.float64) - lse  # sum(p log q)
+        return float((self.neg_entropy[rows] - cross).sum())
+
+
+def _scored_rows(n_tokens: int, stride: int) -> np.ndarray:
+    return np.arange(stride - 1, n_tokens, stride)
+
+
+def _head(runner: OpsRunner, x: Any, rows: np.ndarray) -> np.ndarray:
+    """Final norm and output matrix on the chosen rows of hidden states `x` [T, C]: logits [R, V]."""
+    ops, w, spec = runner.ops, runner.weights, runner.spec
+    picked = ops.weight("prune.rows", np.asarray(ops.to_host(x), dtype=np.float32)[rows])
+    h = ops.rms_norm(picked, w["norm"], spec.rms_norm_eps)
+    out: np.ndarray = ops.to_host(runner.model.logits(ops, w, h))
+    return out
+
+
+def _run_layers(runner: OpsRunner, x: Any, ctx: Any, layers: range, skip: Collection[int]) -> Any:
+    for layer in layers:
+        if layer not in skip:
+            x = runner.model.block(runner.ops, runner.weights, f"layers.{layer}.", layer, x, ctx)
+    return x
+
+
+def _begin(runner: OpsRunner, seq: int, tokens: list[int]) -> Any:
+    table = list(range(-(-len(tokens) // runner.kv.block_size)))
+    return runner.ops.begin_step(StepBatch([SeqChunk(seq, tokens, 0, table, LogitsWanted.NONE)]))
+
+
+def _window_logits(runner: OpsRunner, seq: int, tokens: list[int]) -> np.ndarray:
+    ctx = _begin(runner, seq, tokens)
+    x = runner.model.embed(runner.ops, runner.weights, ctx)
+    x = _run_layers(runner, x, ctx, range(runner.spec.num_layers), ())
+    out = _head(runner, x, np.arange(len(tokens)))
+    runner.release(seq)
+    return out
+
+
+def _summed_kl(runner: OpsRunner, windows: list[list[int]], refs: list[_Reference], removed: list[int],
+               candidates: list[int], stride: int) -> dict[int, float]:
+    """KL(full || without removed + [j]) summed over every window's `stride`-th rows, per candidate j."""
+    L = runner.spec.num_layers
+    total = dict.fromkeys(candidates, 0.0)
+    for seq, (tokens, ref) in enumerate(zip(windows, refs, strict=True), start=1):
+        ctx = _begin(runner, seq, tokens)
+        x = runner.model.embed(runner.ops, runner.weights, ctx)
+        inputs = []  # the hidden states entering each layer, with `removed` skipped
+        for layer in range(L):
+            inputs.append(x)
+            x = _run_layers(runner, x, ctx, range(layer, layer + 1), removed)
+        rows = _scored_rows(len(tokens), stride)
+        for j in candidates:
+            y = _run_layers(runner, inputs[j], ctx, range(j + 1, L), removed)
+            total[j] += ref.kl(_head(runner, y, rows), rows)
+        runner.release(seq)
+    return total
+
+
 # -- the whole command -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PruneResult:
@@ -131,6 +255,8 @@ class PruneResult:
     influence: tuple[float, ...]
     scored_tokens: int
     kl: Any = None  # a quant.kl.KLReport, when measured
+    rank: str = "influence"  # how layers were chosen: "kl" (greedy, measured) or "influence"
+    rank_kl: tuple[float, ...] = ()  # rank "kl": the ranking's mean KL after each removal, in removal order
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "kl"}
@@ -138,10 +264,15 @@ class PruneResult:
         return out
 
     def lines(self) -> list[str]:
-        lines = [f"pruned {self.source} -> {self.out}",
-                 f"  removed layers {list(self.removed_layers) or 'none'} (block influence "
-                 + ", ".join(f"{self.influence[i]:.4f}" for i in self.removed_layers) + ")"
-                 if self.removed_layers else "  removed no layers"]
+        if not self.removed_layers:
+            how = "  removed no layers"
+        elif self.rank == "kl":
+            how = (f"  removed layers {list(self.removed_layers)} (greedy by KL; after each removal: "
+                   + ", ".join(f"{v:.4f}" for v in self.rank_kl) + " nats on the ranking rows)")
+        else:
+            how = (f"  removed layers {list(self.removed_layers)} (block influence "
+                   + ", ".join(f"{self.influence[i]:.4f}" for i in self.removed_layers) + ")")
+        lines = [f"pruned {self.source} -> {self.out}", how]
         if self.removed_experts:
             lines.append(f"  removed {self.removed_experts} experts per MoE layer (least routing mass)")
         if self.kl is not None:
@@ -159,16 +290,22 @@ def output_path(source: Path, out: Path, fmt: str, n_layers: int) -> Path:
     return out
 
 
+RANKS = ("kl", "influence")
+
+
 def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, corpus: str = "prose",
                 tokens: int = 512, window: int = 256, backend: str = "torch", kl_tokens: int = 512,
-                kl_reference: str | None = None) -> PruneResult:
-    """Measure influence on the corpus, remove `layers` blocks and `experts` experts per MoE layer,
-    write the model next to `out`, and report KL(original || pruned) on `kl_tokens` tokens (0: skip)."""
+                kl_reference: str | None = None, rank: str = "kl") -> PruneResult:
+    """Rank layers on the corpus (`rank`: greedy KL or block influence), remove `layers` blocks and
+    `experts` experts per MoE layer (least routing mass), write the model next to `out`, and report
+    KL(original || pruned) on `kl_tokens` tokens (0: skip)."""
     from twinfer.quant.fidelity import corpus_windows, measure_kl
     from twinfer.quant.prune_write import write_pruned_gguf, write_pruned_hf
     from twinfer.runtime.load import open_model, resolve_path
     from twinfer.runtime.loaders import load_model
 
+    if rank not in RANKS:
+        raise TwinferError(f"unknown --rank {rank!r}: use one of {', '.join(RANKS)}")
     if layers < 0 or experts < 0:
         raise TwinferError("--layers and --experts count what to remove: give numbers >= 0")
     if layers == 0 and experts == 0:
@@ -187,8 +324,9 @@ def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, 
     windows = list(corpus_windows(model, corpus, tokens, window))
     runner = open_model(model, backend, max_seqs=2, ctx=max(256, window + 16)).runner
     influence = measure_influence(runner, windows)
+    ranking = rank_layers_by_kl(runner, windows, layers) if rank == "kl" and layers else None
     del runner
-    removed = influence.layers_to_remove(layers)
+    removed = sorted(ranking.removed) if ranking is not None else influence.layers_to_remove(layers)
     keep = [i for i in range(spec.num_layers) if i not in removed]
     keep_experts = {i: e for i, e in influence.experts_to_keep(experts).items() if i in keep} if experts else {}
     dest = output_path(src, Path(out).expanduser(), loaded.format, len(keep))
@@ -202,4 +340,5 @@ def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, 
         ref = kl_reference or ("llamacpp" if loaded.format == "gguf" else backend)
         report = measure_kl(model, ref, str(dest), corpus, kl_tokens, window)
     return PruneResult(str(src), str(dest), tuple(removed), tuple(keep), experts,
-                       tuple(float(v) for v in influence.layers), influence.tokens, report)
+                       tuple(float(v) for v in influence.layers), influence.tokens, report,
+                       rank, ranking.kl if ranking is not None else ())
