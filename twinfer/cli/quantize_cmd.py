@@ -4,6 +4,8 @@ Without --search every layer projection gets the best format in --formats that f
 With --search, per-group sensitivities are measured and combined (quant/search.py). The folder
 records the KL it was measured at (against the unquantized model on the torch backend, fp32), plus
 the KL of a short verification window that `twinfer quantize FOLDER --verify` re-checks.
+With --gguf (source models that are GGUF files) the folder is also written as DIR/model.gguf for
+llama.cpp (quant/gguf_export.py); `twinfer quantize FOLDER --gguf` exports an existing folder.
 """
 
 from __future__ import annotations
@@ -25,33 +27,44 @@ REGRESSION = 1.25  # --verify warns when the re-measured KL exceeds the recorded
 
 
 def run_quantize(model: str | None, out: str | None, budget: float | None, formats: str, search: bool,
-                 tokens: int, corpus: str, granularity: str, verify: bool, json_out: bool) -> None:
+                 tokens: int, corpus: str, granularity: str, verify: bool, json_out: bool,
+                 group_size: int | None = None, gguf: bool = False, gguf_int8: bool = False) -> None:
     if verify:
         if model is None:
             raise TwinferError("--verify needs the quantized folder as MODEL")
         report = verify_folder(Path(model))
         typer.echo(json.dumps(report) if json_out else _verify_line(report))
         return
+    if gguf and out is None and budget is None and model is not None:
+        exported = export_folder(Path(model), gguf_int8)
+        typer.echo(json.dumps(exported) if json_out else _gguf_line(exported))
+        return
     if out is None or budget is None:
-        raise TwinferError("twinfer quantize needs --out DIR and --budget BITS_PER_WEIGHT")
+        raise TwinferError("twinfer quantize needs --out DIR and --budget BITS_PER_WEIGHT "
+                           "(or a quantized folder as MODEL with --verify or --gguf)")
     summary = quantize(model, Path(out), budget, [f.strip() for f in formats.split(",") if f.strip()],
-                       search, tokens, corpus, granularity, log=lambda m: print(m, file=sys.stderr))
+                       search, tokens, corpus, granularity, log=lambda m: print(m, file=sys.stderr),
+                       group_size=group_size, gguf=gguf, gguf_int8=gguf_int8)
     typer.echo(json.dumps(summary) if json_out else _summary_lines(summary))
 
 
 def quantize(model: str | None, out: Path, budget: float, formats: list[str], search: bool, tokens: int,
-             corpus: str, granularity: str, log: Any = None) -> dict[str, Any]:
-    """Pick the assignment, write `out`, measure the written folder; returns the recorded summary."""
+             corpus: str, granularity: str, log: Any = None, group_size: int | None = None,
+             gguf: bool = False, gguf_int8: bool = False) -> dict[str, Any]:
+    """Pick the assignment, write `out`, measure the written folder; returns the recorded summary.
+
+    `group_size`: the affine formats' group (default 64; 32 with `gguf` and no search: Q4_1's block,
+    as the GGUF stores a scale and bias per 32 weights either way). `gguf`: also write `out`/model.gguf."""
     from twinfer.quant.fidelity import corpus_windows
     from twinfer.quant.linear import check_format
     from twinfer.quant.model_io import (
+        DEFAULT_GROUP,
         QuantizedView,
         average_bits,
         quantizable,
         update_config,
         write_quantized,
     )
-    from twinfer.quant.registry import FORMATS
     from twinfer.quant.search import FormatSearch, KLProbe
     from twinfer.runtime.load import resolve_path
     from twinfer.runtime.loaders import load_model
@@ -63,10 +76,18 @@ def quantize(model: str | None, out: Path, budget: float, formats: list[str], se
         raise TwinferError(f"--formats: {e}") from e
     if tokens < 16:
         raise TwinferError("--tokens must be at least 16")
+    if search and group_size not in (None, DEFAULT_GROUP):
+        raise TwinferError(f"--search measures the affine formats at group {DEFAULT_GROUP}; "
+                           "drop --group-size or --search")
+    group = group_size or (32 if gguf and not search else DEFAULT_GROUP)
+    if group not in (32, 64, 128):
+        raise TwinferError(f"--group-size must be 32, 64 or 128, got {group}")
     source = resolve_path(model)
     loaded = load_model(source)
     if loaded.format == "quantized":
         raise TwinferError(f"{source} is already quantized; quantize its source model instead")
+    if gguf:
+        _check_gguf_export(source, formats, gguf_int8)
     names = quantizable(loaded.weights)
     if not names:
         raise TwinferError(f"{source} has no layer projections twinfer can quantize")
@@ -79,24 +100,57 @@ def quantize(model: str | None, out: Path, budget: float, formats: list[str], se
             raise TwinferError(str(e)) from e
         assignment, history = result.assignment, result.history
     else:
-        fitting = [f for f in formats if FORMATS[f] <= budget + 1e-9]
-        if not fitting:
-            cheapest = min(formats, key=lambda f: FORMATS[f])
-            raise TwinferError(f"budget {budget} is below every format in --formats (cheapest: {cheapest}, "
-                               f"{FORMATS[cheapest]:.3f} bits per weight)")
-        best = max(fitting, key=lambda f: FORMATS[f])
-        assignment, history = dict.fromkeys(names, best), []
-    view = QuantizedView(loaded.weights, assignment)
+        assignment, history = dict.fromkeys(names, _uniform(formats, budget, group)), []
+    try:
+        view = QuantizedView(loaded.weights, assignment, group_size=group)
+    except ValueError as e:
+        raise TwinferError(f"--group-size {group}: {e}") from e
     write_quantized(out, loaded.spec, view, source.resolve(), {"budget": budget, "search": search})
     kl = _measure_folder(out, source, windows)
     short = {**_measure_folder(out, source, [windows[0][:VERIFY_TOKENS]]), "window": windows[0][:VERIFY_TOKENS]}
     summary = {
-        "out": str(out), "source": str(source), "bits_per_weight": average_bits(loaded.weights, assignment),
+        "out": str(out), "source": str(source), "bits_per_weight": average_bits(loaded.weights, assignment, group),
         "formats": _counts(assignment), "kl": kl, "verify": short,
         "history": [list(h) for h in history],
     }
     update_config(out, kl=kl, verify=short, history=summary["history"])
+    if gguf:
+        summary["gguf"] = export_folder(out, gguf_int8)
     return summary
+
+
+def _uniform(formats: list[str], budget: float, group: int) -> str:
+    """The costliest format in `formats` that fits `budget` bits per weight."""
+    from twinfer.quant.model_io import format_bits
+
+    bits = {f: format_bits(f, group) for f in formats}
+    fitting = [f for f in formats if bits[f] <= budget + 1e-9]
+    if not fitting:
+        cheapest = min(formats, key=lambda f: bits[f])
+        at = f" at group size {group}" if cheapest in ("int4", "int8") else ""
+        raise TwinferError(f"budget {budget} is below every format in --formats (cheapest: {cheapest}, "
+                           f"{bits[cheapest]:.3f} bits per weight{at})")
+    return max(fitting, key=lambda f: bits[f])
+
+
+def _check_gguf_export(source: Path, formats: list[str], gguf_int8: bool) -> None:
+    """Refuse --gguf before any work when the source or a candidate format cannot export."""
+    from twinfer.quant.gguf_export import check_source, formats_that_export, unexportable
+
+    check_source(source)
+    bad = unexportable(formats, gguf_int8)
+    if bad:
+        raise TwinferError(f"--gguf: {', '.join(bad)} in --formats have no GGUF type that holds them without "
+                           f"requantizing; formats that export: {formats_that_export()}")
+
+
+def export_folder(folder: Path, gguf_int8: bool) -> dict[str, Any]:
+    """Write FOLDER/model.gguf; returns what was written (JSON-able)."""
+    from twinfer.quant.gguf_export import GGUF_FILE, export_gguf
+
+    r = export_gguf(folder, folder / GGUF_FILE, int8_as_q8_0=gguf_int8)
+    return {"path": str(r.path), "bytes": r.nbytes, "types": r.types, "kept": r.kept,
+            "max_abs_change": r.max_abs_change, "file_type": r.file_type}
 
 
 def _measure_folder(folder: Path, source: Path, windows: list[list[int]]) -> dict[str, Any]:
@@ -152,7 +206,15 @@ def _summary_lines(s: dict[str, Any]) -> str:
         "  formats " + ", ".join(f"{f} x{n}" for f, n in s["formats"].items()),
         f"  KL vs {s['source']}: mean {kl['mean_kl']:.6f}, p99 {kl['p99_kl']:.6f}, "
         f"same top p {100 * kl['same_top_p']:.2f} % on {kl['tokens']} tokens",
+        *(["  " + _gguf_line(s["gguf"])] if "gguf" in s else []),
     ])
+
+
+def _gguf_line(g: dict[str, Any]) -> str:
+    types = ", ".join(f"{t} x{n}" for t, n in g["types"].items())
+    change = ", ".join(f"{f} {c:.2g}" for f, c in g["max_abs_change"].items())
+    return (f"GGUF {g['path']}: {g['bytes'] / 1e6:.1f} MB, {types} ({g['kept']} tensors as stored), "
+            f"{g['file_type']}; largest weight change {change}")
 
 
 def _verify_line(r: dict[str, Any]) -> str:

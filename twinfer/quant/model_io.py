@@ -5,7 +5,8 @@ projection (q, k, v, o, gate, up, down). Embeddings, norms and MoE expert stacks
 
 `QuantizedView` is a weight mapping for the runner builders: assigned names come back as
 `QuantizedWeight`, the rest as float32. `write_quantized` stores such a model as a folder that
-`runtime.loaders.load_model` opens on every Ops backend (see runtime/loaders/quantized.py).
+`runtime.loaders.load_model` opens on every Ops backend (see runtime/loaders/quantized.py);
+`quant/gguf_export.py` turns a folder made from a GGUF file into a GGUF file llama.cpp runs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.quant.affine import GROUP_SIZES
 from twinfer.quant.linear import QuantizedWeight, check_format, supports
+from twinfer.quant.registry import pack_weight
 from twinfer.runtime.loaders.quantized import QUANT_METHOD, WEIGHTS_FILE, spec_to_json
 from twinfer.runtime.spec import ModelSpec
 
@@ -28,6 +31,8 @@ _LINEAR = re.compile(r"^layers\.(\d+)\.(q|k|v|o|gate|up|down)$")
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "uint8": "U8", "int8": "I8", "uint16": "U16",
               "int16": "I16", "uint32": "U32", "int32": "I32", "int64": "I64"}  # fmt: skip
 F16_ABOVE = 1 << 20  # float tensors with more elements (the embedding) are stored as float16
+AFFINE = ("int4", "int8")
+DEFAULT_GROUP = 64  # the registry's affine group size (mlx-lm's)
 
 
 def quantizable(weights: Any) -> list[str]:
@@ -47,19 +52,34 @@ def kind_of(name: str) -> str:
     return "attn" if name.rsplit(".", 1)[-1] in ("q", "k", "v", "o") else "mlp"
 
 
+def format_bits(fmt: str, group_size: int = DEFAULT_GROUP) -> float:
+    """Nominal bits per weight of `fmt`; affine formats pay a float16 scale and bias per group."""
+    from twinfer.quant.registry import FORMATS
+
+    return int(fmt[3:]) + 32 / group_size if fmt in AFFINE else FORMATS[fmt]
+
+
 class QuantizedView(Mapping[str, Any]):
-    """A model's weights with `assignment` (name -> format) applied; quantized weights are cached."""
+    """A model's weights with `assignment` (name -> format) applied; quantized weights are cached.
+
+    `group_size` is the affine formats' (int4, int8) group: 32, 64 or 128. The cache holds weights of
+    this view's group size only."""
 
     def __init__(self, weights: Any, assignment: Mapping[str, str], seed: int = 0,
-                 cache: dict[tuple[str, str], QuantizedWeight] | None = None) -> None:
+                 cache: dict[tuple[str, str], QuantizedWeight] | None = None,
+                 group_size: int = DEFAULT_GROUP) -> None:
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"affine group size must be one of {GROUP_SIZES}, got {group_size}")
         self.weights = weights
         self.assignment = dict(assignment)
         self.seed = seed
         self.cache = {} if cache is None else cache
+        self.group_size = group_size
         for name, fmt in self.assignment.items():
             check_format(fmt)
-            if not supports(fmt, tuple(weights.shape(name))):
-                raise ValueError(f"format {fmt} cannot store {name} of shape {tuple(weights.shape(name))}")
+            shape = tuple(weights.shape(name))
+            if not supports(fmt, shape) or (fmt in AFFINE and shape[1] % group_size):
+                raise ValueError(f"format {fmt} cannot store {name} of shape {shape}")
 
     def names(self) -> list[str]:
         return list(self.weights.names())
@@ -73,7 +93,12 @@ class QuantizedView(Mapping[str, Any]):
             return self.weights.load(name)
         key = (name, fmt)
         if key not in self.cache:
-            self.cache[key] = QuantizedWeight.quantize(fmt, self.weights.load(name), seed=self.seed)
+            if fmt in AFFINE and self.group_size != DEFAULT_GROUP:
+                w = np.asarray(self.weights.load(name), dtype=np.float32)
+                packed = pack_weight(fmt, w, group_size=self.group_size)
+                self.cache[key] = QuantizedWeight(fmt, (int(w.shape[0]), int(w.shape[1])), packed)
+            else:
+                self.cache[key] = QuantizedWeight.quantize(fmt, self.weights.load(name), seed=self.seed)
         return self.cache[key]
 
     def __getitem__(self, name: str) -> Any:
@@ -86,14 +111,12 @@ class QuantizedView(Mapping[str, Any]):
         return len(self.names())
 
 
-def average_bits(weights: Any, assignment: Mapping[str, str]) -> float:
+def average_bits(weights: Any, assignment: Mapping[str, str], group_size: int = DEFAULT_GROUP) -> float:
     """Parameter-weighted bits per weight of the assigned tensors (the formats' nominal costs)."""
-    from twinfer.quant.registry import FORMATS
-
     total = params = 0.0
     for name, fmt in assignment.items():
         n = float(np.prod(weights.shape(name)))
-        total += n * FORMATS[fmt]
+        total += n * format_bits(fmt, group_size)
         params += n
     return total / params if params else 0.0
 
@@ -123,7 +146,7 @@ def write_quantized(out: Path, spec: ModelSpec, view: QuantizedView, source: Pat
         "quantization_config": {
             "quant_method": QUANT_METHOD,
             "source": str(source),
-            "bits_per_weight": average_bits(view.weights, view.assignment),
+            "bits_per_weight": average_bits(view.weights, view.assignment, view.group_size),
             "tensors": tensors,
             **(dict(extra) if extra else {}),
         },
