@@ -11,7 +11,7 @@ is multiplied directly; any other format is expanded by a dequantization loop on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from twinfer.runtime.errors import PlanError
 
@@ -107,6 +107,7 @@ class Mix:
     exact: tuple[tuple[str, float], ...] = ()  # measured bits per component (a GGUF's stored sizes)
     notes: tuple[str, ...] = field(default_factory=tuple)
     writer: str = ""  # "llamacpp": written by llama.cpp's quantizer, whose per-tensor rules model.py applies
+    embed_type: str = ""  # llamacpp: the type asked for the token embedding and output (`with_embed`)
 
     def split(self, component: str) -> tuple[tuple[str, float], ...]:
         for comp, formats in self.parts:
@@ -124,6 +125,11 @@ class Mix:
 
     def formats(self) -> set[str]:
         return {f for comp in COMPONENTS for f, _ in self.split(comp)}
+
+    @property
+    def quantizer_mix(self) -> str:
+        """The llama.cpp mix (LLAMA_FTYPE) this one is written with: its name without `+embed_<type>`."""
+        return self.name.split("+", 1)[0]
 
     @property
     def tier(self) -> int:
@@ -187,6 +193,25 @@ MIXES: dict[str, Mix] = {m.name: m for m in [
 ]}
 
 
+# Types a llama.cpp requantization may give the token embedding and output matrix (`with_embed`): on a
+# small model with a large vocabulary (Gemma 3 270M: 63% of the weights, a tied Q8_0 table) it is the
+# one lever that saves much, since llama.cpp otherwise keeps a tied embedding at the output's type.
+EMBED_TYPES = ("q6_k", "q5_0", "q4_0")
+
+
+def with_embed(base: Mix, fmt: str) -> Mix:
+    """`base` with the token embedding and output matrix quantized to `fmt` too (llama.cpp's
+    `token_embedding_type`/`output_tensor_type`), named `<base>+embed_<fmt>`."""
+    if base.writer != "llamacpp" or base.embed_type:
+        raise PlanError(f"an embedding type applies to a llama.cpp mix, not to {base.label or base.name}")
+    if fmt not in FORMATS or FORMATS[fmt].family not in ("gguf", "float"):
+        raise PlanError(f"unknown embedding type {fmt!r}; try one of {', '.join(EMBED_TYPES)}")
+    parts = tuple(p for p in base.parts if p[0] not in ("embed", "lm_head"))
+    parts += (("embed", ((fmt, 1.0),)), ("lm_head", ((fmt, 1.0),)))
+    return replace(base, name=f"{base.name}+embed_{fmt}", parts=parts,
+                   label=f"{base.label} + embedding {fmt.upper()}", embed_type=fmt)
+
+
 @dataclass(frozen=True)
 class KVFormat:
     name: str
@@ -229,6 +254,9 @@ KV_FORMATS: dict[str, KVFormat] = {k.name: k for k in [
 
 
 def mix(name: str) -> Mix:
+    if "+embed" in name.lower():  # e.g. q4_k_m+embed_q5_0
+        base, _, fmt = name.lower().partition("+embed")
+        return with_embed(mix(base), fmt.lstrip("_-"))
     key = name.lower().replace("-", "_") if name.lower() not in MIXES else name.lower()
     key = key if key in MIXES else key.replace("_", "-")
     if key not in MIXES:

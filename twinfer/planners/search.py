@@ -15,12 +15,26 @@ from dataclasses import dataclass
 
 from twinfer.planners.calibration import Calibration
 from twinfer.planners.cost import StepTime, Strategy, _native, decode_step, kv_native
-from twinfer.planners.formats import GOOD, KV_FORMATS, MIXES, VERY_LOSSY, KVFormat, Mix, kv_format, mix
+from twinfer.planners.formats import (
+    EMBED_TYPES,
+    GOOD,
+    KV_FORMATS,
+    MIXES,
+    VERY_LOSSY,
+    KVFormat,
+    Mix,
+    kv_format,
+    mix,
+    with_embed,
+)
 from twinfer.planners.hardware import APPLE, CPU, Cluster
 from twinfer.planners.memory import Memory, memory_for
 from twinfer.planners.model import ModelProfile, profile_from_spec
 
 LOCAL_MIXES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_xs", "q3_k_m", "q2_k", "tq4", "tq3")
+# Requantizing a file, these llama.cpp mixes are also tried with the embedding/output at each of
+# EMBED_TYPES: one per size class (8-bit, the usual 4-bit K mix, the best-measured small 4-bit, 3-bit).
+LOCAL_EMBED_BASES = ("q8_0", "q4_k_m", "iq4_xs", "q3_k_m")
 DATACENTER_MIXES = ("bf16", "fp8", "nvfp4", "mxfp4", "int8", "int4", "tq4", "tq3")
 LLAMACPP_KV = ("f16", "q8_0", "q4_0")
 TENSOR_KV = ("bf16", "fp8", "nvfp4", "tq4", "tq3")
@@ -89,7 +103,8 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
     Never a format bigger than the checkpoint (upcasting buys nothing), except FP8 and BF16 on a
     datacenter target, whose GPU may not run the published format natively; locally, never a
     requantization to about the same size (it compounds error for no bytes saved), except of a file
-    that does not fit as stored, where any smaller file beats pruning or no plan.
+    that does not fit as stored, where any smaller file beats pruning or no plan; locally those include
+    llama.cpp mixes that also requantize the embedding/output (`LOCAL_EMBED_BASES` x `EMBED_TYPES`).
     """
     if requested not in ("auto", ""):
         if requested in ("stored", "native"):
@@ -100,7 +115,10 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
             return [profile.stored]
         own = profile.weight_bytes(profile.stored)
         names = LOCAL_MIXES if target == "local" else DATACENTER_MIXES
-        return [MIXES[n] for n in names if profile.weight_bytes(MIXES[n]) < own]
+        mixes = [MIXES[n] for n in names]
+        if target == "local":
+            mixes += [with_embed(MIXES[n], e) for n in LOCAL_EMBED_BASES for e in EMBED_TYPES]
+        return [m for m in mixes if profile.weight_bytes(m) < own]
     native = mix(profile.native)
     if target == "local":
         base = MIXES[LOCAL_EQUIVALENT.get(native.name, native.name)]

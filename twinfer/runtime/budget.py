@@ -44,6 +44,7 @@ class LocalStrategy:
     dtype: str | None = None  # torch / MLX runner dtype
     kv_type: str | None = None  # llama.cpp cache type
     requantize: str | None = None  # GGUF mix to requantize to
+    embed_type: str | None = None  # llama.cpp type for the token embedding / output when requantizing
     expert_cache_bytes: int | None = None
     prune_layers: int = 0
     predicted_bytes: int = 0
@@ -55,6 +56,10 @@ class LocalStrategy:
         mb = 1e6
         parts = [f"memory budget {self.budget / mb:.0f} MB: running {self.backend} with weights {self.weights}, "
                  f"KV cache {self.kv}"]
+        if self.requantize:
+            embed = (f", token embedding and output matrix in {self.embed_type.upper()}" if self.embed_type
+                     else "")
+            parts.append(f"requantized by llama.cpp to {self.requantize.upper()}{embed}")
         if self.expert_cache_bytes is not None:
             parts.append(f"routed experts streamed from the file through a {self.expert_cache_bytes / mb:.0f} MB "
                          "LRU cache with next-layer prefetch")
@@ -155,11 +160,13 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
     if s.prune and not allow_pruning:
         raise PlanError(f"only a pruned model fits --memory-budget {budget / 1e6:.0f} MB ({s.label()}); "
                         "allow it with --allow-pruning, or raise the budget")
-    requant = None if s.mix.name == "stored" else s.mix.name
+    requant = None if s.mix.name == "stored" else s.mix.quantizer_mix
     if requant is not None and requant not in _FTYPES:
         raise PlanError(f"the plan chose {s.mix.label or s.mix.name}, which llama.cpp's quantizer does not write")
+    # the type the planner priced the embedding at: a K-quant falls back on rows its blocks do not divide
+    embed = plan.chosen.profile.split(s.mix, "embed")[0][0] if s.mix.embed_type else None
     return LocalStrategy(budget, "llamacpp", s.mix.label or s.mix.name, s.kv.label, kv_type=s.kv.name,
-                         requantize=requant, prune_layers=round(loaded.spec.num_layers * s.prune),
+                         requantize=requant, embed_type=embed, prune_layers=round(loaded.spec.num_layers * s.prune),
                          predicted_bytes=int(plan.chosen.memory.used), reasons=plan.reasons[:1],
                          expected_kl=plan.chosen.kl)
 
@@ -189,7 +196,8 @@ def open_with_budget(model: str | None, backend: str, budget_text: str | int, *,
     if strategy.requantize:
         from twinfer.backends.llamacpp.requantize import requantize_gguf
 
-        run_path = requantize_gguf(run_path, strategy.requantize, _FTYPES[strategy.requantize], threads)
+        run_path = requantize_gguf(run_path, strategy.requantize, _FTYPES[strategy.requantize], threads,
+                                   embed_type=strategy.embed_type)
         loaded = load_model(run_path)
     runner = _runner(strategy, loaded, run_path, ctx, max_seqs, threads)
     return OpenedModel(runner, load_tokenizer(path), loaded, path), strategy
@@ -200,8 +208,8 @@ def _pruned(path: Path, layers: int, backend: str) -> Path:
 
     cache = Path(os.environ.get("TWINFER_CACHE", "~/.cache/twinfer")).expanduser() / "pruned"
     measure = "torch" if backend == "llamacpp" else backend
-    return Path(prune_model(str(path), str(cache / f"{path.stem}-minus{layers}"), layers=layers,
-                            backend=measure, kl_tokens=0).out)
+    return Path(prune_model(str(path), str(cache / f"{path.stem}-minus{layers}-kl"), layers=layers,
+                            backend=measure, kl_tokens=0, rank="kl").out)
 
 
 def _runner(s: LocalStrategy, loaded: LoadedModel, path: Path, ctx: int, max_seqs: int, threads: int | None) -> Any:

@@ -6,23 +6,47 @@ import os
 from pathlib import Path
 
 from twinfer.backends.llamacpp._lib import load_llama_cpp
+from twinfer.planners.formats import GGML_TYPES, written_format
 from twinfer.runtime.errors import PlanError
 
+_GGML_IDS = {name: tid for tid, name in GGML_TYPES.items()}
 
-def requantize_gguf(src: Path, mix: str, ftype: str, threads: int | None = None) -> Path:
-    """`src` requantized to `mix` (llama.cpp's `LLAMA_FTYPE_<ftype>`), cached under ~/.cache/twinfer/requant."""
+
+def requantize_gguf(src: Path, mix: str, ftype: str, threads: int | None = None,
+                    embed_type: str | None = None) -> Path:
+    """`src` requantized to `mix` (llama.cpp's `LLAMA_FTYPE_<ftype>`), cached under ~/.cache/twinfer/requant.
+
+    `embed_type` (a ggml type name: "q4_0", "q5_0", "q6_k", "q8_0"...) is the type of the token embedding
+    and the output matrix (one tensor when they are tied); None keeps llama.cpp's choice, which for a tied
+    embedding is the output's type (Q6_K, or Q8_0 where Q6_K blocks do not divide the rows).
+    """
     lib = load_llama_cpp()
     cache = Path(os.environ.get("TWINFER_CACHE", "~/.cache/twinfer")).expanduser() / "requant"
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"{src.stem}-{mix}.gguf"
+    embed = _embedding_type(src, embed_type) if embed_type else None
+    out = cache / f"{src.stem}-{mix}{f'-embed-{embed}' if embed else ''}.gguf"
     if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
         return out
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, f"LLAMA_FTYPE_{ftype}")
     params.allow_requantize = True
     params.nthread = threads or 0
+    if embed:  # for a tied model llama.cpp applies token_embedding_type (it wins over output_tensor_type)
+        params.token_embedding_type = params.output_tensor_type = _GGML_IDS[embed]
     tmp = out.with_suffix(".part")
     if lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
         raise PlanError(f"llama.cpp could not requantize {src} to {mix}")
     tmp.replace(out)
     return out
+
+
+def _embedding_type(src: Path, embed_type: str) -> str:
+    """The type llama.cpp can write for the embedding: a K-quant whose super-blocks do not divide its rows
+    falls back as llama.cpp's own rules would (given as token_embedding_type, it would abort the process)."""
+    from twinfer.runtime.loaders import load_model  # reads only the header
+
+    name = embed_type.lower()
+    if name not in _GGML_IDS:
+        raise PlanError(f"unknown embedding type {embed_type!r}; use a ggml type such as q4_0, q5_0, q6_k or q8_0")
+    row = load_model(src).weights.shape("embed")[-1]  # (vocab, hidden): llama.cpp's ne[0] is hidden
+    return written_format(name, row)
