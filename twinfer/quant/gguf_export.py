@@ -18,7 +18,6 @@ which is exact because both formats quantize each row on its own.
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from twinfer.quant.affine import AffineTensor
 from twinfer.quant.bitpack import unpack_nibbles
+from twinfer.quant.gguf_rewrite import TypedGGUF, rewrite_gguf
 from twinfer.quant.linear import QuantizedWeight
 from twinfer.quant.mxfp4 import E8M0_NAN, MXFP4Tensor
 from twinfer.runtime.errors import TwinferError
@@ -38,7 +38,7 @@ EXACT = {"int4": "Q4_1", "mxfp4": "MXFP4"}
 LOSSY = {"int8": "Q8_0"}
 _FILE_TYPES = {"Q4_1": "MOSTLY_Q4_1", "MXFP4": "MOSTLY_MXFP4_MOE", "Q8_0": "MOSTLY_Q8_0"}
 _ROW_PERMUTES = ("unpermute_q", "unpermute_k")  # loader transforms that only reorder rows
-_ARRAY = 9  # GGUF value type of an array
+_UINT32 = 4  # GGUF value type of general.file_type
 
 
 @dataclass(frozen=True)
@@ -207,58 +207,25 @@ def _names(names: list[str]) -> str:
 
 
 # -- the file ----------------------------------------------------------------------------------------
-class _TypedGGUF(GGUFContents):
-    """twinfer's fast GGUF parser, also recording each key's value type (gguf.GGUFReader takes ~16 s
-    on the default model's vocabulary; this takes milliseconds)."""
-
-    def __init__(self, path: Path) -> None:
-        self.types: dict[str, tuple[int, int | None]] = {}
-        super().__init__(path)
-
-    def _read_value(self, key: str, vtype: int, pos: int) -> int:
-        sub = struct.unpack_from("<I", self._map, pos)[0] if vtype == _ARRAY else None
-        self.types[key] = (vtype, sub)
-        return super()._read_value(key, vtype, pos)
-
-
 def _write(source: Path, dest: Path, replaced: Mapping[str, tuple[np.ndarray, str]]) -> str:
     """Copy `source` to `dest` with `replaced` tensors swapped in; returns the file type written."""
     import gguf
 
-    contents = _TypedGGUF(source)
-    arch = str(contents.metadata["general.architecture"])
+    contents = TypedGGUF(source)
     file_type = _file_type(contents, replaced)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, arch)
-    writer.data_alignment = int(contents.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
-    for key, (vtype, sub) in contents.types.items():
-        if key == "general.architecture":
-            continue  # the writer adds it
-        value: Any = contents.array(key) if vtype == _ARRAY else contents.metadata[key]
-        if key == "general.file_type":
-            value = int(gguf.LlamaFileType[file_type])
-        writer.add_key_value(key, value.tolist() if isinstance(value, np.ndarray) else value,
-                             gguf.GGUFValueType(vtype), sub_type=None if sub is None else gguf.GGUFValueType(sub))
-    if "general.file_type" not in contents.types:
-        writer.add_file_type(int(gguf.LlamaFileType[file_type]))
-    data = []
-    for name, info in contents.tensors.items():
-        if name in replaced:
-            blocks, qtype = replaced[name]
-            raw, ggml_type = np.ascontiguousarray(blocks), gguf.GGMLQuantizationType[qtype]
-        else:
-            raw = contents.tensor_bytes(info).reshape(*info.shape[:-1], -1)
-            ggml_type = gguf.GGMLQuantizationType(info.ggml_type)
-        writer.add_tensor_info(name, raw.shape, raw.dtype, raw.nbytes, ggml_type)
-        data.append(raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for raw in data:
-        writer.write_tensor_data(raw)
-    writer.close()
-    tmp.replace(dest)
+    code = int(gguf.LlamaFileType[file_type])
+
+    def value(key: str, v: Any) -> Any:
+        return code if key == "general.file_type" else v
+
+    def tensor(name: str, raw: np.ndarray, ggml_type: int) -> tuple[str, np.ndarray, int]:
+        if name not in replaced:
+            return name, raw, ggml_type
+        blocks, qtype = replaced[name]
+        return name, blocks, int(gguf.GGMLQuantizationType[qtype])
+
+    extra = [] if "general.file_type" in contents.types else [("general.file_type", code, _UINT32, None)]
+    rewrite_gguf(contents, dest, values=value, extra=extra, tensors=tensor)
     return file_type
 
 

@@ -20,10 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.quant.gguf_rewrite import ARRAY, SKIP, TypedGGUF, rewrite_gguf
 from twinfer.runtime.errors import TwinferError
 from twinfer.runtime.loaders.hf import INDEX_FILE, read_config, spec_from_config
 from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor, read_safetensors
 from twinfer.runtime.spec import SLIDING, ModelSpec
+
+_BOOL = 7  # GGUF value type of a bool
 
 _LAYER = re.compile(r"^(.*?\blayers\.|blk\.)(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\bexperts\.|ffn_(?:gate|up|down)\.)(\d+)(\..*|)$")
@@ -57,51 +60,35 @@ def _rename(name: str, layer_map: dict[int, int], keep_experts: dict[int, list[i
 def write_pruned_gguf(src: Path, out: Path, spec: ModelSpec, keep_layers: Sequence[int],
                       keep_experts: dict[int, list[int]] | None = None) -> Path:
     """Copy `src` to `out` with only `keep_layers` (and, per MoE layer, `keep_experts`)."""
-    import gguf
-
     keep_experts = keep_experts or {}
-    reader = gguf.GGUFReader(src)
-    arch = str(reader.fields["general.architecture"].contents())
-    writer = gguf.GGUFWriter(out, arch)
+    contents = TypedGGUF(src)
+    arch = str(contents.metadata["general.architecture"])
     layer_map = {old: new for new, old in enumerate(keep_layers)}
-    n_old, n_new = spec.num_layers, len(keep_layers)
-    ARRAY = gguf.GGUFValueType.ARRAY
+    n_old = spec.num_layers
     pattern_key = f"{arch}.attention.sliding_window_pattern"
-    for f in reader.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF.") or f.name == pattern_key:
-            continue
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == ARRAY else None
-        value: Any = f.contents()
-        if f.name == f"{arch}.block_count":
-            value = n_new
-        elif f.name == f"{arch}.expert_count" and keep_experts:
-            value = len(next(iter(keep_experts.values())))
-        elif vtype == ARRAY and f.name.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n_old:
-            value = [value[i] for i in keep_layers]  # per-layer metadata
-        writer.add_key_value(f.name, value, vtype, sub_type=sub)
-    if spec.sliding_window and arch == "gemma3":
-        types = spec.attention_types
-        writer.add_key_value(pattern_key, [types[i] == SLIDING for i in keep_layers], ARRAY,
-                             sub_type=gguf.GGUFValueType.BOOL)
-    tensors = []
-    for t in reader.tensors:
-        renamed = _rename(t.name, layer_map, keep_experts)
+
+    def value(key: str, v: Any) -> Any:
+        if key == pattern_key:
+            return SKIP  # rewritten below from the kept layers' types
+        if key == f"{arch}.block_count":
+            return len(keep_layers)
+        if key == f"{arch}.expert_count" and keep_experts:
+            return len(next(iter(keep_experts.values())))
+        if key.startswith(f"{arch}.") and isinstance(v, list) and len(v) == n_old:
+            return [v[i] for i in keep_layers]  # per-layer metadata
+        return v
+
+    def tensor(name: str, raw: np.ndarray, ggml_type: int) -> tuple[str, np.ndarray, int] | None:
+        renamed = _rename(name, layer_map, keep_experts)
         if renamed is None:
-            continue
-        name, rows = renamed
-        data = np.asarray(t.data)
-        if rows is not None:
-            data = np.ascontiguousarray(data[rows])
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, t.tensor_type)
-        tensors.append(data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for data in tensors:
-        writer.write_tensor_data(data)
-    writer.close()
-    return out
+            return None
+        new_name, rows = renamed
+        return new_name, raw if rows is None else raw[rows], ggml_type
+
+    extra = []
+    if spec.sliding_window and arch == "gemma3":
+        extra.append((pattern_key, [spec.attention_types[i] == SLIDING for i in keep_layers], ARRAY, _BOOL))
+    return rewrite_gguf(contents, out, values=value, extra=extra, tensors=tensor)
 
 
 # -- Hugging Face ----------------------------------------------------------------------------------
