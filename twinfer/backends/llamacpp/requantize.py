@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-from twinfer.backends.llamacpp._lib import load_llama_cpp
+from twinfer.backends.llamacpp._lib import load_llama_cpp, set_quiet
 from twinfer.planners.formats import GGML_TYPES, written_format
 from twinfer.runtime.errors import PlanError
 
@@ -34,6 +35,9 @@ def requantize_gguf(src: Path, mix: str, ftype: str, threads: int | None = None,
     if embed:  # for a tied model llama.cpp applies token_embedding_type (it wins over output_tensor_type)
         params.token_embedding_type = params.output_tensor_type = _GGML_IDS[embed]
     tmp = out.with_suffix(".part")
+    what = f"{mix} with a {embed} embedding" if embed else mix
+    print(f"twinfer: requantizing {src.name} to {what} with llama.cpp (once; cached as {out})", file=sys.stderr)
+    set_quiet(lib, True)  # its per-tensor log is hundreds of lines
     if lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
         raise PlanError(f"llama.cpp could not requantize {src} to {mix}")
     tmp.replace(out)
