@@ -134,6 +134,29 @@ def test_models_through_the_kernels_match_the_torch_path(arch: str) -> None:
     assert calls["fused_moe"] == (7 * layers if arch == "qwen3_moe" else 0)
 
 
+def test_gemma3_block_takes_the_fused_add_norm() -> None:
+    """Gemma 3's sandwich norms: the post-attention residual add and the MLP's pre-norm are one kernel."""
+    from tests.fixtures_models import hf_canonical, hf_model, state_dict_np
+    from twinfer.backends.cuda.runner import build_torch_runner
+    from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+    from twinfer.runtime.loaders import spec_from_config
+
+    model = hf_model("gemma3")
+    spec = spec_from_config(model.config.to_dict())
+    weights = hf_canonical(state_dict_np(model), "gemma3", True)
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 96, 12)]
+    batch = StepBatch([SeqChunk(1, tokens, 0, [0, 1, 2], LogitsWanted.ALL)])
+    plain = build_torch_runner(spec, weights, kv_tokens=64, block_size=4, kernels="torch", device=DEVICE)
+    fused = build_torch_runner(spec, weights, kv_tokens=64, block_size=4, kernels="triton", cuda_graphs=False,
+                               device=DEVICE)
+    k, calls = fused.torch_ops._k, []
+    fn = k.rms_norm_residual
+    k.rms_norm_residual = lambda *a, **kw: (calls.append(1), fn(*a, **kw))[1]
+    rows = {"torch": plain.step(batch), "triton": fused.step(batch)}
+    assert len(calls) == spec.num_layers
+    assert np.abs(rows["triton"] - rows["torch"]).max() <= 1e-4
+
+
 def test_kernel_choice_is_checked() -> None:
     from twinfer.backends.cuda.kernels import select_kernels
     from twinfer.runtime.errors import BackendUnavailable

@@ -7,7 +7,7 @@ Norm weights are the effective multipliers (HF's `1 + w` is folded in by the loa
 """
 
 from twinfer.runtime.models.base import Model as _Decoder
-from twinfer.runtime.models.base import Weights
+from twinfer.runtime.models.base import Weights, add_rms_norm
 from twinfer.runtime.ops import Array, Ops, StepContext
 
 
@@ -18,6 +18,6 @@ class Model(_Decoder):
     def block(self, ops: Ops, w: Weights, p: str, layer: int, x: Array, ctx: StepContext) -> Array:
         eps = self.spec.rms_norm_eps
         h = self.attention(ops, w, p, layer, ops.rms_norm(x, w[p + "attn_norm"], eps), ctx)
-        x = x + ops.rms_norm(h, w[p + "post_attn_norm"], eps)
-        h = self.feed_forward(ops, w, p, layer, ops.rms_norm(x, w[p + "mlp_norm"], eps))
+        x, h = add_rms_norm(ops, x, ops.rms_norm(h, w[p + "post_attn_norm"], eps), w[p + "mlp_norm"], eps)
+        h = self.feed_forward(ops, w, p, layer, h)
         return x + ops.rms_norm(h, w[p + "post_mlp_norm"], eps)
