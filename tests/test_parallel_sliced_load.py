@@ -280,3 +280,27 @@ def test_expert_parallel_rank_reads_its_experts_slices(moe_folder: Path, reads: 
     assert all(kind == "region" for _, kind, _ in experts)
     stored = sum(w.nbytes_stored(name) for name in w.names() if ".experts." in name)
     assert sum(n for _, _, n in experts) * 4 == stored  # half the experts, half of each one's width
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_expert_streaming_reads_one_expert_and_no_more(moe_folder: Path, fused_moe_folder: Path,
+                                                      layout: str) -> None:
+    """`ExpertReader` (batch-1 expert streaming) returns exactly the loaded expert; a fused gate_up
+    expert reads only the half it needs, so the bytes read are what `stored_bytes` counts."""
+    from twinfer.runtime.experts import ExpertReader, _read_owned
+
+    w = load_model(moe_folder if layout == "per_expert" else fused_moe_folder).weights
+    reader = ExpertReader(w)
+    read: list[int] = []
+    import twinfer.runtime.experts as experts
+
+    def counting(src: object) -> np.ndarray:
+        read.append(src.nbytes)  # type: ignore[attr-defined]
+        return _read_owned(src)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts, "_read_owned", counting)
+        got = reader.read(1, 3)
+    for part, value in zip(("gate", "up", "down"), got, strict=True):
+        np.testing.assert_array_equal(value, w.load(f"layers.1.experts.{part}")[3])
+    assert sum(read) == reader.stored_bytes(1, 3) == reader.stored_bytes(1, 0)

@@ -16,13 +16,13 @@ Two kinds of runner, two ways to fit:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from twinfer.runtime.cache_dir import cache_dir
 from twinfer.runtime.errors import PlanError
-from twinfer.runtime.experts import is_expert_weight, plan_expert_budget
+from twinfer.runtime.experts import expert_params, plan_expert_budget
 from twinfer.runtime.load import OpenedModel, choose_backend, resolve_path
 from twinfer.runtime.loaders import LoadedModel, load_model
 
@@ -30,7 +30,6 @@ from twinfer.runtime.loaders import LoadedModel, load_model
 _FTYPES = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q6_k": "MOSTLY_Q6_K", "q5_k_m": "MOSTLY_Q5_K_M",
            "q4_k_m": "MOSTLY_Q4_K_M", "q4_0": "MOSTLY_Q4_0", "iq4_xs": "MOSTLY_IQ4_XS",
            "q3_k_m": "MOSTLY_Q3_K_M", "q2_k": "MOSTLY_Q2_K"}
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -83,11 +82,11 @@ def parse_budget(text: str | int) -> int:
 
 
 # -- torch / MLX -------------------------------------------------------------------------------------
-def _ops_bytes(loaded: LoadedModel, dtype_bytes: int, ctx: int, max_seqs: int = 1, experts: bool = True) -> int:
+def _ops_bytes(loaded: LoadedModel, dtype_bytes: int, ctx: int, max_seqs: int = 1) -> int:
     spec, w = loaded.spec, loaded.weights
     total = 0
     for name in w.names():
-        if (name == "lm_head" and spec.tie_word_embeddings) or (not experts and is_expert_weight(name)):
+        if name == "lm_head" and spec.tie_word_embeddings:
             continue
         total += math.prod(w.shape(name)) * dtype_bytes
     kv = ctx * spec.num_layers * 2 * spec.kv_size * dtype_bytes
@@ -106,7 +105,7 @@ def ops_strategy(loaded: LoadedModel, backend: str, budget: int, ctx: int, max_s
         return LocalStrategy(budget, backend, "float32", "float32", dtype="float32", predicted_bytes=need32)
     if spec.moe is not None:
         split = plan_expert_budget(loaded.weights, budget, 4, ctx)
-        per_expert = split.expert_bytes_total // _n_experts(loaded)
+        per_expert = expert_params(spec) * 4
         if split.cache_bytes >= spec.moe.top_k * per_expert:
             why: tuple[str, ...] = (f"Every expert resident would need {need32 / 1e6:.0f} MB; a token reads only "
                                     f"its top-{spec.moe.top_k} experts per layer, so the rest stay in the file "
@@ -129,12 +128,6 @@ def ops_strategy(loaded: LoadedModel, backend: str, budget: int, ctx: int, max_s
     hint = "" if allow_pruning else " (or allow pruning with --allow-pruning)"
     raise PlanError(f"{spec.name or 'the model'} needs {need16 / 1e6:.0f} MB even in {half}; --memory-budget is "
                     f"{budget / 1e6:.0f} MB: raise it{hint}")
-
-
-def _n_experts(loaded: LoadedModel) -> int:
-    spec = loaded.spec
-    assert spec.moe is not None
-    return spec.moe.num_experts * sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
 
 
 def _layer_bytes(loaded: LoadedModel, dtype_bytes: int) -> int:
@@ -192,12 +185,12 @@ def open_with_budget(model: str | None, backend: str, budget_text: str | int, *,
     run_path = path
     if strategy.prune_layers:
         run_path = _pruned(path, strategy.prune_layers, strategy.backend)
-        loaded = load_model(run_path)
     if strategy.requantize:
         from twinfer.backends.llamacpp.requantize import requantize_gguf
 
         run_path = requantize_gguf(run_path, strategy.requantize, _FTYPES[strategy.requantize], threads,
                                    embed_type=strategy.embed_type)
+    if run_path != path:
         loaded = load_model(run_path)
     runner = _runner(strategy, loaded, run_path, ctx, max_seqs, threads)
     return OpenedModel(runner, load_tokenizer(path), loaded, path), strategy
@@ -206,9 +199,8 @@ def open_with_budget(model: str | None, backend: str, budget_text: str | int, *,
 def _pruned(path: Path, layers: int, backend: str) -> Path:
     from twinfer.quant.prune import prune_model
 
-    cache = Path(os.environ.get("TWINFER_CACHE", "~/.cache/twinfer")).expanduser() / "pruned"
     measure = "torch" if backend == "llamacpp" else backend
-    return Path(prune_model(str(path), str(cache / f"{path.stem}-minus{layers}-kl"), layers=layers,
+    return Path(prune_model(str(path), str(cache_dir("pruned") / f"{path.stem}-minus{layers}-kl"), layers=layers,
                             backend=measure, kl_tokens=0, rank="kl").out)
 
 
@@ -216,9 +208,8 @@ def _runner(s: LocalStrategy, loaded: LoadedModel, path: Path, ctx: int, max_seq
     if s.backend == "llamacpp":
         from twinfer.backends.llamacpp.runner import LlamaCppRunner
 
-        quantized_kv = s.kv_type in ("q8_0", "q4_0")
         return LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec,
-                              kv_type=s.kv_type or "f16", **({"flash_attn": True} if quantized_kv else {}))
+                              kv_type=s.kv_type or "f16")  # flash attention is on by default, as quantized KV needs
     if s.expert_cache_bytes is not None:
         return _streaming_runner(s, loaded, ctx, threads)
     from twinfer.runtime.load import _ops_runner

@@ -54,10 +54,6 @@ def is_expert_weight(name: str) -> bool:
     return name.startswith("layers.") and ".experts." in name
 
 
-def expert_names(spec: ModelSpec) -> list[str]:
-    return [f"layers.{i}.experts.{p}" for i in range(spec.num_layers) if spec.is_moe_layer(i) for p in PARTS]
-
-
 def expert_params(spec: ModelSpec) -> int:
     """Parameters of one routed expert (gate, up and down)."""
     assert spec.moe is not None
@@ -65,15 +61,18 @@ def expert_params(spec: ModelSpec) -> int:
 
 
 # -- reading one expert from the file ----------------------------------------------------------------
-def _expert_slice(t: StoredTensor, e: int, n: int) -> StoredTensor:
-    """Expert `e` of a stored [E, ...] tensor, without reading the others (experts are outermost)."""
+def _expert_slice(t: StoredTensor, e: int, n: int, keep_axis: bool = False) -> StoredTensor:
+    """Part `e` of `n` equal parts of a stored tensor's outermost axis, without reading the others: an
+    expert of [E, ...] (the axis goes), or with `keep_axis` a block of rows (gate or up of [2I, C])."""
     size = t.nbytes // n
+    shape = (t.shape[0] // n, *t.shape[1:]) if keep_axis else t.shape[1:]
     if isinstance(t, SafetensorsTensor):
-        return replace(t, shape=t.shape[1:], nbytes=size, offset=t.offset + e * size)
+        return replace(t, shape=shape, nbytes=size, offset=t.offset + e * size)
     if isinstance(t, GGUFTensor):
         info = t.info
-        sub = TensorInfo(info.name, info.ne[:-1], info.ggml_type, info.offset + e * size, size)
-        return replace(t, shape=t.shape[1:], nbytes=size, info=sub)
+        ne = (*info.ne[:-1], info.ne[-1] // n) if keep_axis else info.ne[:-1]
+        sub = TensorInfo(info.name, ne, info.ggml_type, info.offset + e * size, size)
+        return replace(t, shape=shape, nbytes=size, info=sub)
     raise ModelError(f"expert streaming cannot slice tensor {t.name!r} stored as {type(t).__name__}")
 
 
@@ -101,6 +100,25 @@ def release_pages(weights: WeightSet, names: Sequence[str]) -> None:
             _drop_pages(src)
 
 
+def streaming_weights(weights: WeightSet, spec: ModelSpec, put: Callable[[str, np.ndarray], Any]
+                      ) -> tuple[dict[str, Any], dict[int, Any]]:
+    """The runner weights of an expert-streaming model: routed experts as `ExpertHandle`s (read on
+    demand), every other weight through `put` (the backend's upload; a tied lm_head is skipped), then
+    the uploaded weights' file pages dropped. Also the routers by MoE layer, for `StreamingOps`."""
+    out: dict[str, Any] = {}
+    for name in weights.names():
+        if name == "lm_head" and spec.tie_word_embeddings:
+            continue
+        if is_expert_weight(name):
+            layer, part = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+            out[name] = ExpertHandle(layer, part, weights.shape(name))
+        else:
+            out[name] = put(name, weights.load(name))
+    release_pages(weights, [n for n in weights.names() if not is_expert_weight(n)])
+    routers = {i: out[f"layers.{i}.router"] for i in range(spec.num_layers) if spec.is_moe_layer(i)}
+    return out, routers
+
+
 class ExpertReader:
     """Reads one expert's (gate, up, down) float32 host arrays from a model's stored tensors.
 
@@ -115,17 +133,18 @@ class ExpertReader:
         if spec.moe is None:
             raise ModelError(f"{spec.name or spec.model_type} has no experts to stream")
         self.num_experts = spec.moe.num_experts
+        self._layer_bytes: dict[int, int] = {}  # stored bytes of one expert, by layer
 
     def read(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         gate, up, down = (self._part(layer, expert, p) for p in PARTS)
         return gate, up, down
 
     def stored_bytes(self, layer: int, expert: int) -> int:
-        """Bytes this expert occupies in the file (what a miss reads)."""
-        total = 0
-        for p in PARTS:
-            name = f"layers.{layer}.experts.{p}"
-            total += self.weights.nbytes_stored(name) // self.num_experts
+        """Bytes this expert occupies in the file (what a miss reads); every expert of a layer is the same size."""
+        total = self._layer_bytes.get(layer)
+        if total is None:
+            total = self._layer_bytes[layer] = sum(
+                self.weights.nbytes_stored(f"layers.{layer}.experts.{p}") // self.num_experts for p in PARTS)
         return total
 
     def _part(self, layer: int, e: int, part: str) -> np.ndarray:
@@ -137,13 +156,10 @@ class ExpertReader:
             src = _expert_slice(sources[0], e, self.num_experts)
         else:
             raise ModelError(f"expert streaming cannot read {name!r} (stored with transform {transform!r})")
+        if transform in ("gate_half", "up_half"):  # [2I, C]: gate rows then up rows; read only this half
+            src = _expert_slice(src, int(transform == "up_half"), 2, keep_axis=True)
         values = _read_owned(src)
         _drop_pages(src)
-        if transform in ("gate_half", "up_half"):  # [2I, C]: gate rows then up rows
-            half = values.shape[0] // 2
-            part_rows = values[:half] if transform == "gate_half" else values[half:]
-            values = _owned(part_rows.shape)
-            values[...] = part_rows
         return values
 
 
@@ -334,10 +350,6 @@ class ExpertBudget:
     expert_bytes_total: int  # every routed expert as the backend would hold it
     kv_bytes: int
     reserve_bytes: int  # activations and one layer's read staging
-
-    @property
-    def fits_fully(self) -> bool:
-        return self.resident_bytes + self.expert_bytes_total + self.kv_bytes + self.reserve_bytes <= self.budget
 
     @property
     def cache_bytes(self) -> int:

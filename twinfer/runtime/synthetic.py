@@ -19,8 +19,6 @@ import numpy as np
 from twinfer.runtime.batch import SeqChunk, StepBatch
 from twinfer.runtime.runner import Runner
 
-_DTYPES = {"F32": np.float32, "BF16": np.uint16}
-
 
 @dataclass(frozen=True)
 class SyntheticMoE:

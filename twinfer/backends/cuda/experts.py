@@ -6,7 +6,7 @@ streamed run computes the same numbers as a fully resident one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -15,12 +15,10 @@ import torch.nn.functional as F
 from twinfer.backends.cuda.ops import TorchOps
 from twinfer.runtime.experts import (
     ExpertCache,
-    ExpertHandle,
     ExpertReader,
     StreamingOps,
     expert_params,
-    is_expert_weight,
-    release_pages,
+    streaming_weights,
 )
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
@@ -73,22 +71,12 @@ def load_streaming_torch_runner(
     assert spec.moe is not None
     kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
     ops = TorchOps(spec, num_blocks=kv.num_blocks, block_size=block_size, device=device, dtype=dtype)
-    weights: dict[str, Any] = {}
-    for name in w.names():
-        if name == "lm_head" and spec.tie_word_embeddings:
-            continue
-        if is_expert_weight(name):
-            layer, part = int(name.split(".")[1]), name.rsplit(".", 1)[1]
-            weights[name] = ExpertHandle(layer, part, w.shape(name))
-        else:
-            weights[name] = ops.weight(name, w.load(name))
+    weights, routers = streaming_weights(w, spec, ops.weight)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     cache = ExpertCache(
         ExpertReader(w), lambda a: ops.weight("expert", a), cache_bytes,
         expert_params(spec) * itemsize, spec.moe.top_k, prefetch_enabled=prefetch,
     )
-    release_pages(w, [n for n in w.names() if not is_expert_weight(n)])
-    routers = {i: weights[f"layers.{i}.router"] for i in range(spec.num_layers) if spec.is_moe_layer(i)}
     sops = TorchStreamingOps(ops, cache, routers, spec)
     runner = OpsRunner(spec, cast(Ops, sops), weights, kv, backend="torch")
     return runner

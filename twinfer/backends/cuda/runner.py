@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,27 +17,10 @@ if TYPE_CHECKING:
     from twinfer.runtime.loaders import LoadedModel
 
 
-def load_torch_runner(
-    loaded: LoadedModel,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    kv_tokens: int = 4096,
-    block_size: int = 16,
-    kv_format: str | None = None,
-    weight_format: str | None = None,
-    kernels: str | None = None,
-    cuda_graphs: bool = True,
-) -> TorchRunner:
-    """A torch runner for a model from `runtime.loaders.load_model`, with a paged KV cache of
-    `kv_tokens` positions in blocks of `block_size`. Weights are moved one at a time.
-    `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant.
-    `weight_format` "fp8" stores the dense projections as FP8 (formats.py); on a GPU a format it
-    cannot multiply natively is refused. `kernels`: "auto" (triton on CUDA), "triton" or "torch";
-    `cuda_graphs`: replay decode steps from CUDA graphs on a GPU (graphs.py)."""
-    w = loaded.weights
-    return _build(loaded.spec, w.names(), w.load, device, dtype, kv_tokens, block_size, kv_format, weight_format,
-                  kernels=kernels, cuda_graphs=cuda_graphs)
+def load_torch_runner(loaded: LoadedModel, **options: Any) -> TorchRunner:
+    """`build_torch_runner` (same options) for a model from `runtime.loaders.load_model`: its weight set
+    is the mapping, so each weight is read from the file and moved to the device one at a time."""
+    return build_torch_runner(loaded.spec, loaded.weights, **options)
 
 
 def build_torch_runner(
@@ -54,28 +37,14 @@ def build_torch_runner(
     cuda_graphs: bool = True,
     padded_steps: bool | None = None,
 ) -> TorchRunner:
-    """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights.
-    `padded_steps`: keep the scratch KV block of padded decode steps (default: only where CUDA graphs
-    can run; True lets a CPU test call `step_padded`)."""
-    return _build(spec, weights.keys(), weights.__getitem__, device, dtype, kv_tokens, block_size, kv_format,
-                  weight_format, kernels=kernels, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
-
-
-def _build(
-    spec: ModelSpec,
-    names: Iterable[str],
-    load: Callable[[str], Any],
-    device: str | torch.device,
-    dtype: torch.dtype,
-    kv_tokens: int,
-    block_size: int,
-    kv_format: str | None = None,
-    weight_format: str | None = None,
-    *,
-    kernels: str | None = None,
-    cuda_graphs: bool = True,
-    padded_steps: bool | None = None,
-) -> TorchRunner:
+    """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights, read
+    one at a time, with a paged KV cache of `kv_tokens` positions in blocks of `block_size`.
+    `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant.
+    `weight_format` "fp8" stores the dense projections as FP8 (formats.py); on a GPU a format it
+    cannot multiply natively is refused. `kernels`: "auto" (triton on CUDA), "triton" or "torch";
+    `cuda_graphs`: replay decode steps from CUDA graphs on a GPU (graphs.py). `padded_steps`: keep the
+    scratch KV block of padded decode steps (default: only where CUDA graphs can run; True lets a CPU
+    test call `step_padded`)."""
     fmt = native_weight_format(weight_format, torch.device(device))
     if block_size <= 0 or kv_tokens < block_size:
         raise ValueError(
@@ -88,12 +57,12 @@ def _build(
         spec, num_blocks=kv.num_blocks + int(padded_steps), block_size=block_size, device=device, dtype=dtype, kv_format=kv_format,
         kernels=kernels,
     )
-    weights = {}
-    for name in names:
+    converted = {}
+    for name in weights:
         if name == "lm_head" and spec.tie_word_embeddings:
             continue  # tied: the model reads `embed`; keep one copy on the device
-        weights[name] = convert_weight(name, ops.weight(name, load(name)), fmt)
-    return TorchRunner(spec, ops, weights, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
+        converted[name] = convert_weight(name, ops.weight(name, weights[name]), fmt)
+    return TorchRunner(spec, ops, converted, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
 
 
 def open_torch_runner(loaded: LoadedModel, *, kv_tokens: int, threads: int | None = None, dtype: str | None = None,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from twinfer.backends.llamacpp._lib import load_llama_cpp, set_quiet
 from twinfer.planners.formats import GGML_TYPES, written_format
+from twinfer.runtime.cache_dir import cache_dir
 from twinfer.runtime.errors import PlanError
 
 _GGML_IDS = {name: tid for tid, name in GGML_TYPES.items()}
@@ -15,14 +15,14 @@ _GGML_IDS = {name: tid for tid, name in GGML_TYPES.items()}
 
 def requantize_gguf(src: Path, mix: str, ftype: str, threads: int | None = None,
                     embed_type: str | None = None) -> Path:
-    """`src` requantized to `mix` (llama.cpp's `LLAMA_FTYPE_<ftype>`), cached under ~/.cache/twinfer/requant.
+    """`src` requantized to `mix` (llama.cpp's `LLAMA_FTYPE_<ftype>`), cached in `cache_dir("requant")`.
 
     `embed_type` (a ggml type name: "q4_0", "q5_0", "q6_k", "q8_0"...) is the type of the token embedding
     and the output matrix (one tensor when they are tied); None keeps llama.cpp's choice, which for a tied
     embedding is the output's type (Q6_K, or Q8_0 where Q6_K blocks do not divide the rows).
     """
     lib = load_llama_cpp()
-    cache = Path(os.environ.get("TWINFER_CACHE", "~/.cache/twinfer")).expanduser() / "requant"
+    cache = cache_dir("requant")
     cache.mkdir(parents=True, exist_ok=True)
     embed = _embedding_type(src, embed_type) if embed_type else None
     out = cache / f"{src.stem}-{mix}{f'-embed-{embed}' if embed else ''}.gguf"

@@ -7,7 +7,7 @@ evaluated as soon as it is added, so an evicted expert's buffer is freed before 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import numpy as np
@@ -16,12 +16,10 @@ from twinfer.backends.metal.ops import MlxOps, mlx_dtype
 from twinfer.backends.metal.runner import _wire_working_set
 from twinfer.runtime.experts import (
     ExpertCache,
-    ExpertHandle,
     ExpertReader,
     StreamingOps,
     expert_params,
-    is_expert_weight,
-    release_pages,
+    streaming_weights,
 )
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
@@ -72,28 +70,17 @@ def load_streaming_mlx_runner(
     _wire_working_set()
     kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
     ops = MlxOps(spec, num_blocks=kv.num_blocks, block_size=block_size, dtype=dtype)
-    weights: dict[str, Any] = {}
-    for name in w.names():
-        if name == "lm_head" and spec.tie_word_embeddings:
-            continue
-        if is_expert_weight(name):
-            layer, part = int(name.split(".")[1]), name.rsplit(".", 1)[1]
-            weights[name] = ExpertHandle(layer, part, w.shape(name))
-        else:
-            weights[name] = ops.weight(name, w.load(name))
-            mx.eval(weights[name])
+    weights, routers = streaming_weights(w, spec, lambda name, a: _device(ops, name, a))
     cache = ExpertCache(
-        ExpertReader(w), lambda a: _device(ops, a), cache_bytes,
+        ExpertReader(w), lambda a: _device(ops, "expert", a), cache_bytes,
         expert_params(spec) * mlx_dtype(dtype).size, spec.moe.top_k, prefetch_enabled=prefetch,
         on_evict=mx.clear_cache,  # hand freed expert buffers back instead of keeping them in MLX's pool
     )
-    release_pages(w, [n for n in w.names() if not is_expert_weight(n)])
-    routers = {i: weights[f"layers.{i}.router"] for i in range(spec.num_layers) if spec.is_moe_layer(i)}
     sops = MlxStreamingOps(ops, cache, routers, spec)
     return OpsRunner(spec, cast(Ops, sops), weights, kv, backend="mlx")
 
 
-def _device(ops: MlxOps, host: np.ndarray) -> mx.array:
-    arr = ops.weight("expert", host)
+def _device(ops: MlxOps, name: str, host: np.ndarray) -> mx.array:
+    arr = ops.weight(name, host)
     mx.eval(arr)  # materialize now, so the host copy can go
     return arr

@@ -17,6 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from twinfer.runtime.cache_dir import cache_dir
 from twinfer.runtime.errors import ModelError
 from twinfer.runtime.tokenizer import convert
 from twinfer.runtime.tokenizer.gguf_meta import read_gguf_metadata
@@ -26,10 +27,8 @@ CONVERTER_VERSION = 1
 
 
 def default_cache_dir() -> Path:
-    """`<user cache dir>/twinfer/tokenizers` (e.g. ~/.cache/twinfer/tokenizers on Linux)."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("twinfer")) / "tokenizers"
+    """`cache_dir("tokenizers")`: ~/.cache/twinfer/tokenizers on Linux, or under $TWINFER_CACHE."""
+    return cache_dir("tokenizers")
 
 
 def cache_key(path: Path) -> str:
