@@ -24,7 +24,10 @@ def kl_rows(ref_logits: np.ndarray, cand_logits: np.ndarray) -> np.ndarray:
     """KL(ref || cand) per row of two [rows, vocab] logit arrays, in nats (float64)."""
     if ref_logits.shape != cand_logits.shape:
         raise ValueError(f"logit shapes differ: {ref_logits.shape} vs {cand_logits.shape}")
-    lp, lq = log_softmax(ref_logits), log_softmax(cand_logits)
+    return _kl_logprobs(log_softmax(ref_logits), log_softmax(cand_logits))
+
+
+def _kl_logprobs(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
     kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
     return np.maximum(kl, 0.0)  # rounding can make an exact match slightly negative
 
@@ -39,12 +42,15 @@ class KLAccumulator:
 
     def add(self, ref_logits: np.ndarray, cand_logits: np.ndarray, targets: np.ndarray | None = None) -> None:
         """Score rows; `targets` [rows] are the actual next tokens (for RMS delta p)."""
-        self.kl.append(kl_rows(ref_logits, cand_logits))
+        if ref_logits.shape != cand_logits.shape:
+            raise ValueError(f"logit shapes differ: {ref_logits.shape} vs {cand_logits.shape}")
+        lp, lq = log_softmax(ref_logits), log_softmax(cand_logits)  # once: the 262k-wide passes dominate
+        self.kl.append(_kl_logprobs(lp, lq))
         self.agree.append(np.argmax(ref_logits, axis=-1) == np.argmax(cand_logits, axis=-1))
         if targets is not None:
             t = np.asarray(targets, dtype=np.int64)[:, None]
-            p_ref = np.exp(np.take_along_axis(log_softmax(ref_logits), t, axis=-1))[:, 0]
-            p_cand = np.exp(np.take_along_axis(log_softmax(cand_logits), t, axis=-1))[:, 0]
+            p_ref = np.exp(np.take_along_axis(lp, t, axis=-1))[:, 0]
+            p_cand = np.exp(np.take_along_axis(lq, t, axis=-1))[:, 0]
             self.delta_p.append(p_cand - p_ref)
 
     def report(self, reference: str, candidate: str, corpus: str) -> KLReport:

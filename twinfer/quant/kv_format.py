@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from twinfer.quant.bitpack import packed_width
+from twinfer.quant.hadamard import next_pow2
 from twinfer.quant.qjl import TurboQuantProd
 from twinfer.quant.turboquant import TurboQuantMSE, split_rate
 
@@ -58,15 +59,11 @@ class KVFormat:
         QJL keys add a bit per channel and a float16 residual norm."""
         low, n_hi = split_rate(self.rate, head_dim)
         sets = [(n_hi, low + 1), (head_dim - n_hi, low)] if n_hi else [(head_dim, low)]
-        value_bytes = sum(packed_width(_pow2(d), b) + 2 for d, b in sets)
+        value_bytes = sum(packed_width(next_pow2(d), b) + 2 for d, b in sets)
         if not self.qjl:
             return value_bytes * 8 / head_dim
-        key_bytes = packed_width(_pow2(head_dim), int(self.rate) - 1) + 2 + packed_width(head_dim, 1) + 2
+        key_bytes = packed_width(next_pow2(head_dim), int(self.rate) - 1) + 2 + packed_width(head_dim, 1) + 2
         return (key_bytes + value_bytes) * 4 / head_dim  # bytes * 8 / head_dim, averaged over K and V
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def parse_kv_format(text: str | None) -> KVFormat | None:

@@ -22,8 +22,8 @@ import numpy as np
 
 from twinfer.quant.gguf_rewrite import ARRAY, SKIP, TypedGGUF, rewrite_gguf
 from twinfer.runtime.errors import TwinferError
-from twinfer.runtime.loaders.hf import INDEX_FILE, read_config, spec_from_config
-from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor, read_safetensors
+from twinfer.runtime.loaders.hf import INDEX_FILE, read_config, spec_from_config, stored_tensors
+from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor
 from twinfer.runtime.spec import SLIDING, ModelSpec
 
 _BOOL = 7  # GGUF value type of a bool
@@ -92,16 +92,6 @@ def write_pruned_gguf(src: Path, out: Path, spec: ModelSpec, keep_layers: Sequen
 
 
 # -- Hugging Face ----------------------------------------------------------------------------------
-def _tensors(folder: Path) -> dict[str, SafetensorsTensor]:
-    index = folder / INDEX_FILE
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("consolidated"))
-    out: dict[str, SafetensorsTensor] = {}
-    for name in files:
-        out.update(read_safetensors(folder / name))
-    return out
-
-
 def _stored_bytes(t: SafetensorsTensor, rows: list[int] | None) -> tuple[bytes, list[int]]:
     raw = np.frombuffer(t.data, dtype=np.uint8, count=t.nbytes, offset=t.offset)
     if rows is None:
@@ -149,7 +139,7 @@ def write_pruned_hf(src: Path, out: Path, keep_layers: Sequence[int],
     layer_map = {old: new for new, old in enumerate(keep_layers)}
     shards: list[list[tuple[str, str, list[int], bytes]]] = [[]]
     size = 0
-    for name, t in _tensors(src).items():
+    for name, t in stored_tensors(src).items():
         renamed = _rename(name, layer_map, keep_experts)
         if renamed is None:
             continue

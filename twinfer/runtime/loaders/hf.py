@@ -52,7 +52,7 @@ def load_hf(folder: Path) -> tuple[ModelSpec, WeightSet, dict[str, Any]]:
     """Read `folder`'s config.json and safetensors; returns (spec, weights, config)."""
     config = read_config(folder)
     spec = spec_from_config(config, name=folder.name)
-    stored = _stored_tensors(folder)
+    stored = stored_tensors(folder)
     table = HF_TABLES[_family(config)]
     return spec, map_weights(spec, table, stored, str(folder)), config
 
@@ -188,7 +188,7 @@ def _moe(c: dict[str, Any], family: str, n_layers: int) -> MoESpec | None:
     )
 
 
-def _stored_tensors(folder: Path) -> dict[str, SafetensorsTensor]:
+def stored_tensors(folder: Path) -> dict[str, SafetensorsTensor]:
     """Every tensor of the folder's safetensors, following the shard index when there is one."""
     index = folder / INDEX_FILE
     if index.is_file():
