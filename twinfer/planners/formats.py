@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from twinfer.quant.hadamard import next_pow2
 from twinfer.runtime.errors import PlanError
 
 # Fidelity tiers: 0 lossless, 1 near-lossless (KL ~1e-3), 2 good (KL ~1e-2), 3 lossy, 4 very lossy.
@@ -233,7 +232,8 @@ def turboquant_kv_bits(bits: int, head_dim: int) -> float:
     (8 codes in `bits` bytes), plus one float16 norm: 4-bit on 128 is (128 * 4 + 16) / 128 = 4.125,
     on 256 it is 4.0625, on 80 (padded to 128) 6.6.
     """
-    return (next_pow2(head_dim) * bits + 16) / head_dim
+    padded = 1 << max(0, (head_dim - 1).bit_length())  # quant.hadamard.next_pow2, which would import numpy
+    return (padded * bits + 16) / head_dim
 
 
 KV_FORMATS: dict[str, KVFormat] = {k.name: k for k in [
