@@ -366,8 +366,7 @@ class Engine:
         """Keep a finished sequence's leading cached blocks in its slot for prefix reuse; drop the rest."""
         keep = 0
         for block_id in table:
-            block = self.blocks.blocks[block_id]
-            if block.hash is None or self.blocks.by_hash.get(block.hash) != block_id:
+            if not self.blocks.is_registered(block_id):
                 break
             keep += 1
         self.blocks.disown(seq_id, table[keep:])

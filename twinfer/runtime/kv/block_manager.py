@@ -1,9 +1,10 @@
-"""KV block accounting with hashed full-block prefix reuse (vLLM-style automatic prefix caching).
+"""KV block accounting with keyed full-block prefix reuse (vLLM-style automatic prefix caching).
 
-A sequence's KV lives in fixed-size blocks. A block that is full gets a hash chained from its
-parent's hash and its tokens, so two sequences with the same first N*block_size tokens share the
-same N blocks. Blocks are reference-counted; a block nobody references stays cached (and reusable)
-until it is evicted least-recently-used to make room.
+A sequence's KV lives in fixed-size blocks. A block that is full gets a key: SHA-256 chained over
+its parent's key and its token ids, so two sequences with the same first N*block_size tokens share
+the same N blocks. A hit is also checked against the block's stored tokens and parent, so even a
+colliding key never hands one request another's KV. Blocks are reference-counted; a block nobody
+references stays cached (and reusable) until it is evicted least-recently-used to make room.
 
 The manager never touches a device. For sequence-slot runners (llama.cpp) a cached block also
 records the sequence that physically holds it (`owner`), so the engine can copy that prefix or
@@ -12,32 +13,47 @@ release that sequence when its blocks are evicted.
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-_ROOT = 0x9E3779B97F4A7C15
+Link = tuple[int, int]  # (block id, generation): one registered block's content, stable while cached
 
 
-def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """Hash of a full block, chained from its parent's hash (None for the first block)."""
-    return hash((_ROOT if parent is None else parent, tuple(tokens)))
+def root_key(salt: bytes = b"") -> bytes:
+    """The parent key of every first block; `salt` names whatever else the KV depends on."""
+    return hashlib.sha256(b"twinfer-prefix-cache\0" + salt).digest()
+
+
+def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Key of a full block: SHA-256 over its parent's key and its token ids (int64, little-endian)."""
+    ids = array("q", tokens)
+    if sys.byteorder == "big":  # pragma: no cover - the same key on every machine
+        ids.byteswap()
+    return hashlib.sha256(parent + ids.tobytes()).digest()
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and registered in the prefix cache
+    key: bytes | None = None  # set once the block is full and registered in the prefix cache
+    tokens: tuple[int, ...] | None = None  # the registered block's token ids, checked on every hit
+    parent: Link | None = None  # the registered block's parent block (None: first block)
+    generation: int = 0  # bumped whenever the block stops holding its registered content
     owner: int | None = None  # sequence id that physically holds this block (sequence-slot runners)
 
 
 @dataclass
 class SeqBlocks:
-    """The blocks one sequence holds, and the hash of its last full block."""
+    """The blocks one sequence holds, and the key and content link of each of its full blocks."""
 
     table: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # hash of each full block in `table`
+    keys: list[bytes] = field(default_factory=list)  # key of each full block in `table`
+    links: list[Link] = field(default_factory=list)  # the registered block holding each full block's content
 
 
 class OutOfBlocks(Exception):
@@ -47,12 +63,12 @@ class OutOfBlocks(Exception):
 class BlockManager:
     """Allocates KV blocks to sequences. Called by the scheduler, one thread.
 
-    Invariants (checked by `check()` in tests): every block is either free (ref 0, no hash),
-    cached (ref 0, hashed, in the LRU) or in use (ref > 0); a block id appears at most once per table;
+    Invariants (checked by `check()` in tests): every block is either free (ref 0, no key),
+    cached (ref 0, keyed, in the LRU) or in use (ref > 0); a block id appears at most once per table;
     free + cached + in-use = num_blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True, salt: bytes = b""):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -60,8 +76,9 @@ class BlockManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
-        self.cached: OrderedDict[int, None] = OrderedDict()  # block ids with ref 0 and a hash, LRU first
-        self.by_hash: dict[int, int] = {}
+        self.cached: OrderedDict[int, None] = OrderedDict()  # block ids with ref 0 and a key, LRU first
+        self.by_key: dict[bytes, int] = {}
+        self.root = root_key(salt)
         self.seqs: dict[int, SeqBlocks] = {}
         self.evicted_owners: list[int] = []  # owners whose cached blocks were evicted (engine drains)
         self.hits = 0  # prefix-cache tokens reused
@@ -89,15 +106,16 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return []
         found: list[int] = []
-        parent: int | None = None
+        key, link = self.root, None
         bs = self.block_size
         for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % bs, bs):
-            h = block_hash(parent, tokens[start : start + bs])
-            block_id = self.by_hash.get(h)
-            if block_id is None:
-                break
+            chunk = tuple(tokens[start : start + bs])
+            key = block_key(key, chunk)
+            block_id = self.by_key.get(key)
+            if block_id is None or not self._holds(block_id, chunk, link):
+                break  # a miss, or a key that collides with other content: never reuse it
             found.append(block_id)
-            parent = h
+            link = (block_id, self.blocks[block_id].generation)
         return found
 
     def owner_of(self, block_id: int) -> int | None:
@@ -123,26 +141,33 @@ class BlockManager:
             for block_id in prefix:
                 self._ref(block_id)
                 seq.table.append(block_id)
-                seq.hashes.append(self.blocks[block_id].hash)  # type: ignore[arg-type]
+                block = self.blocks[block_id]
+                seq.keys.append(block.key)  # type: ignore[arg-type]
+                seq.links.append((block_id, block.generation))
         for _ in range(need):
             seq.table.append(self._take())
 
     def register_full_blocks(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """Hash the sequence's newly full blocks whose tokens are all computed, for reuse by others."""
+        """Key the sequence's newly full blocks whose tokens are all computed, for reuse by others."""
         if not self.enable_prefix_cache:
             return
         seq = self.seqs[seq_id]
         bs = self.block_size
-        while len(seq.hashes) < min(len(seq.table), len(tokens) // bs):
-            i = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else None
-            h = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+        while len(seq.keys) < min(len(seq.table), len(tokens) // bs):
+            i = len(seq.keys)
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            key = block_key(seq.keys[-1] if seq.keys else self.root, chunk)
+            parent = seq.links[-1] if seq.links else None
             block = self.blocks[seq.table[i]]
-            existing = self.by_hash.get(h)
-            if existing is None and block.hash is None:
-                block.hash = h
-                self.by_hash[h] = block.block_id
-            seq.hashes.append(h)
+            existing = self.by_key.get(key)
+            holder = block.block_id
+            if existing is None and block.key is None:
+                block.key, block.tokens, block.parent = key, chunk, parent
+                self.by_key[key] = holder
+            elif existing is not None and self._holds(existing, chunk, parent):
+                holder = existing  # the same content is already registered: link children to it
+            seq.keys.append(key)
+            seq.links.append((holder, self.blocks[holder].generation))
 
     def mark_computed(self, seq_id: int, tokens: Sequence[int], num_computed: int, owner: int | None) -> None:
         """Record that the first `num_computed` tokens are in KV: register their full blocks."""
@@ -153,7 +178,7 @@ class BlockManager:
                 self.blocks[block_id].owner = owner
 
     def free(self, seq_id: int) -> None:
-        """Drop a sequence's references; its hashed blocks stay cached for reuse, the rest are freed."""
+        """Drop a sequence's references; its registered blocks stay cached for reuse, the rest are freed."""
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return
@@ -162,7 +187,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                if block.hash is not None and self.by_hash.get(block.hash) == block_id:
+                if self.is_registered(block_id):
                     self.cached[block_id] = None
                 else:
                     self._release(block)
@@ -173,7 +198,17 @@ class BlockManager:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    def is_registered(self, block_id: int) -> bool:
+        """Whether the block is the prefix cache's entry for its content (reusable by others)."""
+        key = self.blocks[block_id].key
+        return key is not None and self.by_key.get(key) == block_id
+
     # -- internals -------------------------------------------------------------------------------
+    def _holds(self, block_id: int, tokens: tuple[int, ...], parent: Link | None) -> bool:
+        """Whether a registered block holds exactly `tokens` after exactly `parent`'s content."""
+        block = self.blocks[block_id]
+        return block.tokens == tokens and block.parent == parent
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -188,17 +223,21 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.owner is not None:
                 self.evicted_owners.append(block.owner)
-            self.by_hash.pop(block.hash, None)  # type: ignore[arg-type]
-            block.hash = None
+            self._unregister(block)
         block = self.blocks[block_id]
         block.ref_count = 1
         block.owner = None
         return block_id
 
+    def _unregister(self, block: Block) -> None:
+        """The block stops holding its registered content: drop its key; its children no longer link."""
+        if block.key is not None and self.by_key.get(block.key) == block.block_id:
+            del self.by_key[block.key]
+        block.key = block.tokens = block.parent = None
+        block.generation += 1
+
     def _release(self, block: Block) -> None:
-        if block.hash is not None and self.by_hash.get(block.hash) == block.block_id:
-            del self.by_hash[block.hash]
-        block.hash = None
+        self._unregister(block)
         block.owner = None
         self.free_ids.append(block.block_id)
 
