@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinfer.runtime.constraints.spec import Constraint, GrammarError
 from twinfer.runtime.engine.engine import Engine
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import RequestOutput
@@ -57,6 +58,7 @@ class EngineStats:
     steps: int = 0
     generated_tokens: int = 0
     speculative: dict[str, Any] = field(default_factory=dict)  # the speculator's counters, if any
+    constraints: dict[str, float] = field(default_factory=dict)  # structured output (grammar) counters
 
     @property
     def kv_usage(self) -> float:
@@ -252,6 +254,8 @@ class AsyncEngine:
                 f"{self._active} requests are in flight (limit {self.max_running + self.max_queue}); retry later",
                 retry_after_s=1.0,
             )
+        if params is not None and params.constraint is not None:
+            await self.compile(params.constraint)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop())
         message = _Add(request_id, prompt if isinstance(prompt, str) else list(prompt),
@@ -272,6 +276,15 @@ class AsyncEngine:
             raise ack
         assert ack is None, "the engine thread acknowledges a request before its first output"
         return handle
+
+    async def compile(self, constraint: Constraint) -> None:
+        """Compile `constraint` on a worker thread, within the engine's grammar time limit, so the
+        engine thread finds it cached. Raises GrammarError (a RequestError) when it cannot be used."""
+        grammars = self.engine.grammars
+        try:
+            await asyncio.wait_for(asyncio.to_thread(grammars.compile, constraint), grammars.time_limit_s)
+        except asyncio.TimeoutError as e:
+            raise GrammarError(grammars.too_slow(constraint)) from e
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (thread-safe; unknown ids are ignored)."""
@@ -370,6 +383,7 @@ class AsyncEngine:
             steps=e.metrics.steps,
             generated_tokens=e.metrics.generated_tokens,
             speculative=e.speculator.snapshot() if e.speculator is not None else {},
+            constraints=e.grammars.stats.snapshot(),
         )
 
     def describe(self) -> dict[str, Any]:

@@ -19,11 +19,13 @@ from typing import Any
 import numpy as np
 
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+from twinfer.runtime.constraints.compile import Grammars
+from twinfer.runtime.constraints.mask import guide_for
 from twinfer.runtime.engine.guard import LoopGuard
 from twinfer.runtime.engine.metrics import EngineMetrics
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
-from twinfer.runtime.engine.sampler import Sampled, sample, with_logprobs
+from twinfer.runtime.engine.sampler import Sampled, draft_rows, sample, with_logprobs
 from twinfer.runtime.engine.scheduler import Schedule, Scheduled, Scheduler, SchedulerConfig
 from twinfer.runtime.errors import RequestError
 from twinfer.runtime.kv.block_manager import BlockManager
@@ -83,6 +85,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.eos_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
+        self.grammars = Grammars(tokenizer, runner.spec.vocab_size)  # structured output (runtime/constraints)
 
     # -- public API --------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -105,7 +108,8 @@ class Engine:
         new_decoder = None
         if self.tokenizer is not None:
             new_decoder = partial(StreamDecoder, self.tokenizer, True, tokens[-4:])
-        request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder)
+        guide = guide_for(self.grammars, params.constraint)
+        request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder, guide)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.metrics.on_arrival()
@@ -214,7 +218,9 @@ class Engine:
         """The tokens a drafted decode emits. The KV of its last token and the accepted drafts stays;
         the rejected tail is overwritten from `num_computed` on (slot runners drop it with seq_rm)."""
         assert self.speculator is not None
-        tokens = self.speculator.accept(request, draft, rows)
+        tokens = self.speculator.accept(request, draft, draft_rows(rows, request.row, draft.tokens))
+        if request.row.guide is not None:
+            request.row.guide.advance(tokens)
         self._computed(request, len(tokens), tokens[:-1])
         return [with_logprobs(t, r, request.params.logprobs) for t, r in zip(tokens, rows, strict=False)]
 

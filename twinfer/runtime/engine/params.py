@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.errors import RequestError
 
 
@@ -51,6 +52,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob and top k
     guard: GuardConfig = field(default_factory=GuardConfig)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); -100 bans it
+    constraint: Constraint | None = None  # a grammar the output must match (runtime/constraints)
 
     def __post_init__(self) -> None:
         checks = [
@@ -64,6 +67,8 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+             "logit_bias maps token ids (>= 0) to values in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

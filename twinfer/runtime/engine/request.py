@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.runtime.constraints.mask import Guide
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.sampler import RowState
 
@@ -68,7 +69,7 @@ class Request:
     """One generation. `seq_id` names its KV to the block manager and the runner."""
 
     def __init__(self, request_id: str, seq_id: int, prompt: list[int], params: SamplingParams,
-                 priority: int = 0, new_decoder: Callable[[], Any] | None = None):
+                 priority: int = 0, new_decoder: Callable[[], Any] | None = None, guide: Guide | None = None):
         self.request_id = request_id
         self.seq_id = seq_id
         self.prompt = list(prompt)
@@ -79,7 +80,7 @@ class Request:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.status = Status.WAITING
         self.finish_reason: str | None = None
-        self.row = RowState(params, np.random.default_rng(params.seed), self.prompt, Counter())
+        self.row = RowState(params, np.random.default_rng(params.seed), self.prompt, Counter(), guide=guide)
         self.new_decoder = new_decoder
         self.decoder = new_decoder() if new_decoder else None  # a StreamDecoder, or None: token ids only
         self.text = ""  # decoded output so far (stop strings already cut)
@@ -109,7 +110,10 @@ class Request:
         """Start the generation over (the guard's retry): same prompt, fresh seed."""
         self.output.clear()
         self.logprobs.clear()
-        self.row = RowState(self.params, np.random.default_rng(seed), self.prompt, Counter(), temperature)
+        guide = self.row.guide
+        if guide is not None:
+            guide.reset()
+        self.row = RowState(self.params, np.random.default_rng(seed), self.prompt, Counter(), temperature, guide)
         self.text, self.emitted, self.emitted_tokens = "", 0, 0
         self.decoder = self.new_decoder() if self.new_decoder else None
         self.num_computed = min(self.num_computed, len(self.prompt))

@@ -1,17 +1,22 @@
-"""Turning logits into tokens: penalties, temperature, top-k, top-p, min-p, seeds and logprobs.
+"""Turning logits into tokens: logit bias, grammar masks, penalties, temperature, top-k, top-p, min-p,
+seeds and logprobs.
 
 Each request owns a seeded numpy Generator, so a request's samples do not depend on what else
 shares its batch. Greedy rows are one vectorized argmax; sampled rows draw one uniform each after
 the filters, on the candidate set only (top-k by argpartition keeps the 262k-vocabulary case cheap).
+Constrained rows (a grammar) get their allowed-token masks in one batched call before any row is
+sampled; logprobs are always those of the raw model distribution.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from twinfer.runtime.constraints.mask import Guide, allowed_rows, apply, draft_masks
 from twinfer.runtime.engine.params import SamplingParams
 
 
@@ -24,6 +29,7 @@ class RowState:
     prompt_tokens: list[int]
     output_counts: Counter[int] = field(default_factory=Counter)
     temperature: float | None = None  # overrides params.temperature (the guard's retries)
+    guide: Guide | None = None  # the request's grammar, when it has a constraint
 
 
 @dataclass
@@ -107,12 +113,54 @@ def with_logprobs(token: int, logits: np.ndarray, top: int | None) -> Sampled:
     return result
 
 
+def add_bias(logits: np.ndarray, params: SamplingParams) -> None:
+    """OpenAI's logit_bias, in place: -100 bans a token outright, other values are added."""
+    ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64)
+    bias = np.fromiter((b for _, b in params.logit_bias), dtype=np.float32)
+    keep = ids < logits.shape[-1]
+    ids, bias = ids[keep], bias[keep]
+    logits[ids] = np.where(bias <= -100.0, -np.inf, logits[ids] + bias)
+
+
+def processed(logits: np.ndarray, rows: Sequence[RowState]) -> np.ndarray:
+    """The logits each row chooses from: its logit_bias added and its grammar's refused tokens at -inf.
+    The input is returned as is when no row has either."""
+    guided = [i for i, r in enumerate(rows) if r.guide is not None]
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not guided and not biased:
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    for i in biased:
+        add_bias(out[i], rows[i].params)
+    if guided:
+        allowed = allowed_rows([rows[i].guide for i in guided if rows[i].guide is not None], logits.shape[-1])
+        out[guided] = apply(out[guided], allowed)
+    return out
+
+
 def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
-    """Sample one token per row of logits [R, V]; logprobs are of the raw model distribution."""
+    """Sample one token per row of logits [R, V]; logprobs are of the raw model distribution.
+    Constrained rows' matchers advance over the sampled token."""
     out: list[Sampled] = []
-    greedy_ids = np.argmax(logits, axis=-1)
+    choose = processed(logits, rows)
+    greedy_ids = np.argmax(choose, axis=-1)
     for i, row in enumerate(rows):
         simple = is_greedy(row) and not row.params.penalized
-        token = int(greedy_ids[i]) if simple else sample_row(apply_penalties(logits[i], row), row)
+        token = int(greedy_ids[i]) if simple else sample_row(apply_penalties(choose[i], row), row)
         out.append(with_logprobs(token, logits[i], row.params.logprobs))
+        if row.guide is not None:
+            row.guide.advance([token])
+    return out
+
+
+def draft_rows(logits: np.ndarray, row: RowState, draft: Sequence[int]) -> np.ndarray:
+    """The verifier's rows [len(draft) + 1, V] for a drafted decode, biased and masked per position."""
+    if row.guide is None and not row.params.logit_bias:
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    if row.params.logit_bias:
+        for r in out:
+            add_bias(r, row.params)
+    if row.guide is not None:
+        out = apply(out, draft_masks(row.guide, draft, logits.shape[-1]))
     return out

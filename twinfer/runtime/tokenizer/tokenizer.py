@@ -182,6 +182,11 @@ class Tokenizer:
         return token_id in self._special
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object underneath (structured output builds its token trie from it)."""
+        return self._tok
+
+    @property
     def special_ids(self) -> frozenset[int]:
         return self._special
 

@@ -1,0 +1,83 @@
+"""What a request may generate: a `Constraint` is a grammar kind and its text, as the user sent it.
+
+Kinds: `json_schema` (a JSON Schema, as JSON text), `json_object` (any JSON object), `regex`,
+`choice` (a JSON list of strings), `lark` (llguidance's Lark dialect), `gbnf` (llama.cpp's grammar
+format) and `llguidance` (a grammar already in llguidance's JSON form, built by the tool-call code).
+A constraint is plain data: it is compiled for a tokenizer by `Grammars` (compile.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from twinfer.runtime.errors import RequestError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf", "llguidance")
+MAX_TEXT_CHARS = 1 << 20
+# JSON without free whitespace, in json.dumps' default spacing: a small model cannot loop on blanks.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(RequestError):
+    """A constraint that cannot be compiled (bad schema or grammar, or over the time limit)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar the output must match: `kind` (one of KINDS) and its source `text`."""
+
+    kind: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        if not isinstance(self.text, str):
+            raise GrammarError(f"a {self.kind} constraint needs text, got {type(self.text).__name__}")
+        if len(self.text) > MAX_TEXT_CHARS:
+            raise GrammarError(f"the {self.kind} constraint is longer than {MAX_TEXT_CHARS} characters")
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> Constraint:
+        """A JSON Schema given as a dict (or bool) or as JSON text."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def choice(cls, options: Any) -> Constraint:
+        if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+            raise GrammarError("a choice constraint needs a non-empty list of strings")
+        return cls("choice", json.dumps(options))
+
+    def grammar(self) -> str:
+        """The llguidance grammar of this constraint (llguidance is imported here, lazily)."""
+        import llguidance
+
+        from twinfer.runtime.constraints.gbnf import to_lark
+
+        m = llguidance.LLMatcher
+        try:
+            if self.kind == "json_schema":
+                return m.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            if self.kind == "json_object":
+                return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            if self.kind == "regex":
+                return m.grammar_from_regex(self.text)
+            if self.kind == "choice":
+                options = json.loads(self.text)
+                return m.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+            if self.kind == "lark":
+                return m.grammar_from_lark(self.text)
+            if self.kind == "gbnf":
+                return m.grammar_from_lark(to_lark(self.text))
+        except ValueError as e:
+            raise GrammarError(f"the {self.kind} constraint is invalid: {e}") from e
+        return self.text  # llguidance
