@@ -17,8 +17,6 @@ from twinfer.planners.formats import COMPONENTS, FORMATS, KVFormat, Mix
 from twinfer.planners.hardware import CPU, Cluster, Device
 from twinfer.planners.model import ModelProfile
 
-HOST_DRAM_GBS = 60.0  # experts left in host RAM run at desktop DDR5 speed (llama.cpp --n-cpu-moe)
-
 
 @dataclass(frozen=True)
 class Strategy:
@@ -160,8 +158,7 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
         per_dir = dev.interconnect_gbs / 2 * 1e9
         size = mb * profile.spec.hidden_size * 2
         comm_s = 2 * layers * (eff.collective_s + 2 * (s.tp - 1) / s.tp * size / per_dir)
-    stream_bw = (dev.storage_gbs if dev.unified else HOST_DRAM_GBS) * 1e9
-    stream_s = streamed / stream_bw if streamed else 0.0
+    stream_s = streamed / (dev.stream_gbs * 1e9) if streamed else 0.0
     stage_s = kernel_s + fixed_s + comm_s + stream_s
     hop_s = eff.hop_s + mb * profile.spec.hidden_size * 2 / (cluster.scale_out_gbs * 1e9)
     latency = s.pp * stage_s + (s.pp - 1) * hop_s + eff.step_s

@@ -15,6 +15,13 @@ from twinfer.runtime.errors import PlanError
 
 GPU, APPLE, CPU = "gpu", "apple", "cpu"
 
+HOST_DRAM_GBS = 60.0  # experts left in host RAM run at desktop DDR5 speed (llama.cpp --n-cpu-moe)
+NVME_GBS = 3.0  # a PCIe 4 NVMe drive's sequential read, for rows that publish no storage rate
+# Per-device link bandwidth as vendors publish it (bidirectional; PCIe at x16), by the `link` name rows use.
+LINK_GBS: dict[str, float] = {
+    "none": 0.0, "pcie3": 32.0, "pcie4": 64.0, "pcie5": 128.0, "pcie6": 256.0,
+    "nvlink2": 300.0, "nvlink3": 600.0, "nvlink4": 900.0, "nvlink5": 1800.0,
+}
 
 @dataclass(frozen=True)
 class Device:
@@ -76,6 +83,13 @@ class Device:
 
     def row(self) -> dict[str, Any]:
         """The object `twinfer hw --list --json` prints."""
+    @property
+    def stream_gbs(self) -> float:
+        """Where experts that are not resident come from: the SSD on unified memory, host RAM over the
+        (desktop DDR5 speed) on a discrete GPU. A unified row that names no SSD rate (a GB10) gets a PCIe 4
+        NVMe drive's 3 GB/s rather than zero."""
+        return (self.storage_gbs or NVME_GBS) if self.unified else HOST_DRAM_GBS
+
         return {
             "name": self.name,
             "label": self.label,

@@ -16,26 +16,31 @@ import re
 import subprocess
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from twinfer.planners.hardware import CPU, GPU, Cluster, Device
 from twinfer.planners.hw_table import APPLE_CHIPS, DEVICES
+from twinfer.runtime.cache_dir import cache_dir
+from twinfer.runtime.cpu import default_threads, usable_cpus
+from twinfer.runtime.errors import PlanError
+
+HOST_ENV = "TWINFER_HOST_FACTS"
 
 _NVLINK_GBS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}  # GB/s per link per direction, by NVLink generation
 _PCIE_LANE_GBS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.97, 5: 3.94, 6: 7.88}  # per lane, per direction
 
 
 def cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "twinfer" / "hardware.json"
+    """Measured numbers of this machine, kept with twinfer's other caches (under $TWINFER_CACHE when set)."""
+    return cache_dir("hardware") / "hardware.json"
 
 
 def _cached() -> dict[str, Any]:
     try:
         return dict(json.loads(cache_file().read_text()))
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return {}
 
 
@@ -43,23 +48,18 @@ def _store(key: str, value: Any) -> None:
     data = _cached()
     data[key] = value
     path = cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+    except OSError:  # a read-only cache costs a re-measurement next time, nothing else
+        pass
 
 
 # -- NVIDIA ------------------------------------------------------------------------------------------
 def _match_gpu(name: str, memory_gb: float) -> Device | None:
-    n = name.lower().replace("nvidia", "").replace("geforce", "").strip()
-    rules = [("gb300", "gb300"), ("gb200", "gb200"), ("b300", "b300"), ("b200", "b200"), ("h200", "h200"),
-             ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100-pcie", "a100-pcie"), ("a100 pcie", "a100-pcie"),
-             ("a100", "a100-sxm"), ("l40s", "l40s"), ("rtx 5090", "rtx-5090"), ("rtx 4090", "rtx-4090"),
-             ("rtx 3090", "rtx-3090"), ("rtx 3060", "rtx-3060"), ("gb10", "gb10"),
-             ("mi355x", "mi355x"), ("mi325x", "mi325x"), ("mi300x", "mi300x")]
-    for needle, key in rules:
-        if needle in n:
-            d = DEVICES[key]
-            return d.with_memory(round(memory_gb)) if abs(d.memory_gb - memory_gb) > 0.1 * d.memory_gb else d
-    return None
+    from twinfer.planners.hw_table import match_driver_name
+
+    return match_driver_name(name, memory_gb, DEVICES)
 
 
 def probe_nvidia() -> Cluster | None:
@@ -129,20 +129,62 @@ def _run(cmd: list[str]) -> str:
 def probe_apple() -> Cluster | None:
     if platform.system() != "Darwin" or platform.machine() != "arm64":
         return None
-    brand = _run(["sysctl", "-n", "machdep.cpu.brand_string"]).strip()  # "Apple M2 Max"
-    memory_gb = int(_run(["sysctl", "-n", "hw.memsize"]).strip() or 0) / 2**30
     m = re.search(r'"gpu-core-count"\s*=\s*(\d+)', _run(["ioreg", "-rc", "AGXAccelerator"]))
-    cores = int(m.group(1)) if m else 0
-    chip = brand.replace("Apple ", "")
-    rows = [d for d in APPLE_CHIPS if d.chip == chip]
+    host = read_host()
+    return _apple_row(replace(host, apple_chip=host.model.replace("Apple ", ""), gpu_cores=int(m.group(1)) if m else 0))
+
+
+def _apple_row(host: HostFacts) -> Cluster | None:
+    """The table row of an Apple chip (closest GPU-core count), with the machine's memory."""
+    rows = [d for d in APPLE_CHIPS if d.chip == host.apple_chip]
     if not rows:
         return None
-    device = min(rows, key=lambda d: abs((d.gpu_cores or 0) - cores))
+    device = min(rows, key=lambda d: abs((d.gpu_cores or 0) - host.gpu_cores))
+    memory_gb = host.memory_bytes / 2**30
     device = device.with_memory(round(memory_gb)) if memory_gb else device
-    return Cluster(device, notes=(f"detected {brand} with {cores} GPU cores and {memory_gb:.0f} GB",))
+    return Cluster(device, notes=(f"detected Apple {host.apple_chip} with {host.gpu_cores} GPU cores and "
+                                  f"{memory_gb:.0f} GB",))
 
 
 # -- CPU ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HostFacts:
+    """Everything the CPU probe reads of a machine. `read_host()` reads this one; tests build their own
+    (a 2-core AVX2 laptop, a 16-core AVX-512 server, an Apple M-series) so no verdict depends on the host."""
+
+    system: str  # platform.system(): "Linux", "Darwin", "Windows"
+    machine: str  # platform.machine(): "x86_64", "arm64", "aarch64"
+    model: str  # the CPU's marketing name
+    vendor: str  # "GenuineIntel", "AuthenticAMD", "Apple", ...
+    flags: frozenset[str]  # ISA feature flags as /proc/cpuinfo spells them
+    cpus: int  # logical CPUs this process may use
+    cores: int  # physical cores among them
+    ghz: float  # the clock the probe saw (0 when unknown)
+    memory_bytes: float
+    measured_gbs: float | None = None  # read bandwidth measured on this machine, from the cache
+    apple_chip: str = ""  # "M2 Max" on Apple silicon
+    gpu_cores: int = 0  # Apple silicon's GPU cores
+
+    @classmethod
+    def from_json(cls, path: str) -> HostFacts:
+        """A machine described in a JSON file (the fields above; `flags` a list). Bad files are PlanErrors."""
+        try:
+            data = json.loads(Path(path).read_text())
+            data["flags"] = frozenset(data.get("flags", ()))
+            return cls(**data)
+        except (OSError, ValueError, TypeError) as e:
+            raise PlanError(f"{HOST_ENV}={path}: cannot read a host description ({e}); fields are "
+                            f"{', '.join(f.name for f in fields(cls))}") from e
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "flags": sorted(self.flags)}, indent=1)
+
+    @property
+    def key(self) -> str:
+        """Identifies the machine in the measurement cache: a different CPU or core count measures anew."""
+        return f"cpu:{self.model}:{self.cpus}"
+
+
 def _cpuinfo() -> dict[str, str]:
     info: dict[str, str] = {}
     try:
@@ -161,7 +203,7 @@ def _memory_bytes() -> float:
             if line.startswith("MemTotal:"):
                 total = float(line.split()[1]) * 1024
     except OSError:
-        total = 8e9
+        total = float(_run(["sysctl", "-n", "hw.memsize"]).strip() or 8e9)
     try:  # a cgroup limit (containers) caps what a process may use
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit.isdigit():
@@ -171,53 +213,103 @@ def _memory_bytes() -> float:
     return total
 
 
-def cpu_key() -> str:
-    info = _cpuinfo()
-    return f"cpu:{info.get('model name', platform.processor())}:{len(os.sched_getaffinity(0))}"
+def pinned_host() -> HostFacts | None:
+    """The machine named by $TWINFER_HOST_FACTS (a HostFacts JSON file) instead of this one, if set.
+
+    The test suite pins one this way, so that every plan it makes, in-process or in a child process,
+    sees the same hardware on every machine; it also lets `twinfer plan` answer for another computer.
+    """
+    path = os.environ.get(HOST_ENV)
+    return HostFacts.from_json(path) if path else None
 
 
-def probe_cpu() -> Cluster:
-    """This machine's CPU: cores we may use, memory, vector width; bandwidth measured or estimated."""
+def read_host() -> HostFacts:
+    """This machine's CPU facts (Linux /proc and /sys, macOS sysctl, elsewhere what `platform` knows)."""
+    pinned = pinned_host()
+    if pinned is not None:
+        return pinned
     info = _cpuinfo()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    system, machine = platform.system(), platform.machine()
     flags = set(info.get("flags", info.get("Features", "")).split())
-    ghz = float(info.get("cpu MHz", 0) or 0) / 1000 or 2.5
-    intel = "GenuineIntel" in info.get("vendor_id", "")
-    if "avx512f" in flags:
-        per_cycle = 64 if intel else 32  # AMD Zen 4 runs 512-bit FMAs on 256-bit units
-        isa = "avx512" + ("+bf16" if "avx512_bf16" in flags else "")
-    elif "avx2" in flags:
-        per_cycle, isa = 32, "avx2"
-    elif "asimd" in flags or platform.machine() in ("aarch64", "arm64"):
-        per_cycle, isa = 16, "neon"
-    else:
-        per_cycle, isa = 8, "sse"
-    tflops = cores * ghz * per_cycle / 1000
-    measured = _cached().get(cpu_key())
-    bandwidth = float(measured) if measured else min(8.0 * cores, 200.0)
-    name = info.get("model name", platform.processor() or "cpu")
+    model = info.get("model name") or platform.processor() or machine or "cpu"
+    vendor = info.get("vendor_id", "")
+    if system == "Darwin":
+        model = _run(["sysctl", "-n", "machdep.cpu.brand_string"]).strip() or model
+        vendor = "Apple" if machine == "arm64" else vendor
+        if machine == "arm64":  # every M-series core has dotprod and i8mm from M2 on; M1 has dotprod
+            flags |= {"asimd", "asimddp"} | ({"i8mm"} if "M1" not in model else set())
+    cpus = len(usable_cpus())
+    host = HostFacts(system=system, machine=machine, model=model, vendor=vendor, flags=frozenset(flags),
+                     cpus=cpus, cores=min(default_threads(), cpus), ghz=float(info.get("cpu MHz", 0) or 0) / 1000,
+                     memory_bytes=_memory_bytes())
+    measured = _cached().get(host.key)
+    return replace(host, measured_gbs=float(measured)) if measured else host
+
+
+def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
+    """(ISA label, f32 FLOPs per cycle per core, int8 dot-product ops per cycle per core).
+
+    The int8 rate is what llama.cpp's quantized matmuls run on: activations are quantized to 8 bits and
+    multiplied against the unpacked weights with AVX2 `vpmaddubsw`, AVX-VNNI / AVX-512 VNNI `vpdpbusd`,
+    ARM `sdot` (dotprod) or `smmla` (i8mm). AMD Zen 4 runs 512-bit instructions on 256-bit units.
+    """
+    f, intel = host.flags, "Intel" in host.vendor
+    arm = host.machine in ("aarch64", "arm64") or "asimd" in f
+    if "avx512f" in f:
+        fma = 64 if intel else 32
+        vnni = "avx512_vnni" in f
+        return "avx512" + ("+vnni" if vnni else "") + ("+bf16" if "avx512_bf16" in f else ""), fma, (
+            (256 if intel else 128) if vnni else fma * 2)
+    if "avx2" in f:
+        return ("avx2+vnni", 32, 128) if "avx_vnni" in f else ("avx2", 32, 64)
+    if arm:
+        if "i8mm" in f:
+            return "neon+i8mm", 16, 128
+        return ("neon+dotprod", 16, 64) if ("asimddp" in f or "dotprod" in f) else ("neon", 16, 32)
+    return "sse", 8, 16
+
+
+def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
+    """A machine's CPU as the planner sees it: physical cores, memory, f32 and int8 peaks, read bandwidth.
+
+    Without `host`, this machine; its bandwidth is measured once (about a second) and cached when
+    `measure`, since a per-core guess is off by 2x either way. A `host` with no measurement gets the
+    guess (8 GB/s per core), said so in the notes.
+    """
+    if host is None:
+        host = read_host()
+        if host.measured_gbs is None and measure:
+            host = replace(host, measured_gbs=measure_cpu_bandwidth())
+    isa, fma, int8 = cpu_rates(host)
+    ghz = host.ghz or 2.5
+    f32 = host.cores * ghz * fma / 1000
+    measured = host.measured_gbs
+    bandwidth = measured if measured else min(8.0 * host.cores, 200.0)
     device = Device(
-        name="cpu", label=f"{name} ({cores} cores, {isa})", vendor="cpu", kind=CPU,
-        memory_gb=round(_memory_bytes() / 1e9, 1), bandwidth_gbs=round(bandwidth, 1), memory_type="ddr",
-        interconnect_gbs=0.0, link="none", tensor_tflops=(("f32", tflops),), vector_tflops=tflops,
-        clock_ghz=ghz, source="measured read bandwidth" if measured else "probed; bandwidth estimated at 8 GB/s per core",
-        chip=name, storage_gbs=2.0, measured=bool(measured),
+        name="cpu", label=f"{host.model} ({host.cores} cores, {isa})", vendor="cpu", kind=CPU,
+        memory_gb=round(host.memory_bytes / 1e9, 1), bandwidth_gbs=round(bandwidth, 1), memory_type="ddr",
+        interconnect_gbs=0.0, link="none", tensor_tflops=(("f32", f32), ("int8", host.cores * ghz * int8 / 1000)),
+        vector_tflops=f32, clock_ghz=ghz, chip=host.model, storage_gbs=2.0, measured=bool(measured),
+        source="measured read bandwidth" if measured else "probed; bandwidth estimated at 8 GB/s per core",
     )
     note = () if measured else ("CPU bandwidth is an estimate: run `twinfer hw --measure` once to measure it",)
     return Cluster(device, notes=note)
 
 
 def detect() -> Cluster:
-    """The local machine: NVIDIA GPUs if any, else Apple silicon, else the CPU."""
+    """The local machine: NVIDIA GPUs if any, else Apple silicon, else the CPU (a pinned host: its own)."""
+    pinned = pinned_host()
+    if pinned is not None:
+        return _apple_row(pinned) or probe_cpu(pinned)
     return probe_nvidia() or probe_apple() or probe_cpu()
 
 
 # -- measurements ------------------------------------------------------------------------------------
-def measure_cpu_bandwidth(mb: int = 256, repeats: int = 3) -> float:
-    """Read bandwidth in GB/s: every usable core sums its own array, best of `repeats`."""
+def measure_cpu_bandwidth(mb: int = 128, repeats: int = 3) -> float:
+    """Read bandwidth in GB/s: every usable core sums its own array, best of `repeats`; cached for this CPU."""
     import numpy as np
 
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, default_threads())
     arrays = [np.ones(mb * 2**20 // 4, dtype=np.float32) for _ in range(threads)]
     best = 0.0
     for _ in range(repeats):
@@ -228,7 +320,7 @@ def measure_cpu_bandwidth(mb: int = 256, repeats: int = 3) -> float:
         for w in workers:
             w.join()
         best = max(best, threads * arrays[0].nbytes / (time.perf_counter() - start) / 1e9)
-    _store(cpu_key(), round(best, 2))
+    _store(read_host().key, round(best, 2))
     return best
 
 

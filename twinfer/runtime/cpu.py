@@ -1,0 +1,66 @@
+"""The CPUs this process may use, and how many compute threads that makes.
+
+llama.cpp's rule: one compute thread per *physical* core, read from the CPU topology rather than
+guessed. Hyperthreads share a core's vector units and bandwidth, so a second thread per core only
+adds barrier waits; but halving the CPU count (the old guess) halves the speed of a machine with one
+thread per core. On Apple silicon the performance cores count, as in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def usable_cpus() -> list[int]:
+    """Logical CPU ids this process may run on (its affinity mask where the OS has one)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is not None:
+        try:
+            return sorted(getaffinity(0))
+        except OSError:
+            pass
+    return list(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: list[int] | None = None, sys_cpu: Path = SYS_CPU) -> int:
+    """Distinct physical cores among `cpus` (default: the usable ones), from Linux's topology files.
+
+    Falls back on the logical count where the topology cannot be read (the safe side: a core with no
+    sibling is the common case on cloud VMs and laptops without SMT).
+    """
+    cpus = usable_cpus() if cpus is None else cpus
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topo = sys_cpu / f"cpu{cpu}" / "topology"
+        try:
+            package = (topo / "physical_package_id").read_text().strip()
+            core = (topo / "core_id").read_text().strip()
+        except OSError:
+            return max(1, len(cpus))
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def _apple_performance_cores() -> int | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", "hw.perflevel0.physicalcpu"], capture_output=True, text=True,
+                             timeout=5, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(out) if out.isdigit() and int(out) > 0 else None
+
+
+def default_threads() -> int:
+    """Compute threads a runner uses when the user names none: the physical cores we may use."""
+    if platform.system() == "Darwin":
+        perf = _apple_performance_cores()
+        if perf:
+            return min(perf, len(usable_cpus()))
+    if platform.system() == "Linux":
+        return physical_cores()
+    return max(1, len(usable_cpus()))
