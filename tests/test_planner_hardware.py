@@ -63,7 +63,41 @@ def test_probe_matches_driver_names_to_table_rows() -> None:
     assert probe._match_gpu("NVIDIA H100 PCIe", 85.0).name == "h100-pcie"
     assert probe._match_gpu("NVIDIA GeForce RTX 4090", 25.3).name == "rtx-4090"
     assert probe._match_gpu("NVIDIA B200", 191.5).name == "b200"
-    assert probe._match_gpu("Tesla T4", 16.0) is None
+    assert probe._match_gpu("Tesla T4", 16.0).name == "t4"
+    assert probe._match_gpu("NVIDIA GeForce RTX 4060 Laptop GPU", 8.6) is None  # fewer SMs than the desktop card
+    assert probe._match_gpu("Some Future GPU", 30.0) is None
+
+
+# What nvidia-smi calls each card -> (table row, memory the driver reports in decimal GB, memory we plan with)
+DRIVER_NAMES = [
+    ("NVIDIA GeForce RTX 3060 Ti", 8.6, "rtx-3060-ti", 8), ("NVIDIA GeForce RTX 3070", 8.6, "rtx-3070", 8),
+    ("NVIDIA GeForce RTX 3080", 10.7, "rtx-3080", 10), ("NVIDIA GeForce RTX 3080 Ti", 12.9, "rtx-3080-ti", 12),
+    ("NVIDIA GeForce RTX 3090 Ti", 25.8, "rtx-3090-ti", 24), ("NVIDIA GeForce RTX 4060", 8.6, "rtx-4060", 8),
+    ("NVIDIA GeForce RTX 4060 Ti", 8.6, "rtx-4060-ti", 8), ("NVIDIA GeForce RTX 4060 Ti", 17.2, "rtx-4060-ti", 16),
+    ("NVIDIA GeForce RTX 4070", 12.9, "rtx-4070", 12), ("NVIDIA GeForce RTX 4070 Ti", 12.9, "rtx-4070-ti", 12),
+    ("NVIDIA GeForce RTX 4070 Ti SUPER", 17.2, "rtx-4070-ti-super", 16),
+    ("NVIDIA GeForce RTX 4080", 17.2, "rtx-4080", 16), ("NVIDIA GeForce RTX 5060 Ti", 17.1, "rtx-5060-ti", 16),
+    ("NVIDIA GeForce RTX 5070", 12.8, "rtx-5070", 12), ("NVIDIA GeForce RTX 5070 Ti", 17.1, "rtx-5070-ti", 16),
+    ("NVIDIA GeForce RTX 5080", 17.1, "rtx-5080", 16), ("NVIDIA GeForce RTX 5090", 34.2, "rtx-5090", 32),
+    ("NVIDIA RTX A2000 12GB", 12.9, "rtx-a2000", 12), ("NVIDIA RTX A2000", 6.4, "rtx-a2000", 6),
+    ("NVIDIA RTX A4000", 17.2, "rtx-a4000", 16), ("NVIDIA RTX A4500", 21.5, "rtx-a4500", 20),
+    ("NVIDIA RTX A5000", 25.8, "rtx-a5000", 24), ("NVIDIA RTX A6000", 51.5, "rtx-a6000", 48),
+    ("NVIDIA RTX 4000 Ada Generation", 21.5, "rtx-4000-ada", 20),
+    ("NVIDIA RTX 5000 Ada Generation", 34.4, "rtx-5000-ada", 32),
+    ("NVIDIA RTX 6000 Ada Generation", 51.5, "rtx-6000-ada", 48),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 102.0, "rtx-pro-6000", 96),
+    ("NVIDIA L4", 24.1, "l4", 24), ("NVIDIA L40", 48.3, "l40", 48), ("NVIDIA L40S", 48.3, "l40s", 48),
+    ("NVIDIA A10", 24.1, "a10", 24), ("NVIDIA A30", 25.4, "a30", 24), ("NVIDIA A40", 48.3, "a40", 48),
+    ("Tesla V100-SXM2-16GB", 17.2, "v100-sxm2", 16), ("Tesla V100-SXM2-32GB", 34.4, "v100-sxm2", 32),
+    ("Tesla V100-PCIE-16GB", 17.2, "v100-pcie", 16), ("Tesla V100-PCIE-32GB", 34.4, "v100-pcie", 32),
+    ("NVIDIA A100-SXM4-40GB", 42.9, "a100-40gb", 40),
+]
+
+
+@pytest.mark.parametrize("driver,reported,row,memory", DRIVER_NAMES)
+def test_probe_finds_the_gpus_people_own(driver: str, reported: float, row: str, memory: float) -> None:
+    device = probe._match_gpu(driver, reported)
+    assert device is not None and (device.name, device.memory_gb) == (row, memory)
 
 
 def test_probe_cpu_reads_this_machine() -> None:

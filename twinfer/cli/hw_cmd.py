@@ -14,8 +14,8 @@ def run_hw(list_table: bool, json_out: bool, measure: bool, hardware: str) -> No
         rows = [d.row() for d in DEVICES.values()] + [n.row(DEVICES[n.device]) for n in NODES]
         print(json.dumps(rows, indent=1) if json_out else render_devices(rows))
         return
-    from twinfer.cli.plan_cmd import resolve_cluster
     from twinfer.planners import probe
+    from twinfer.planners.describe import resolve_cluster
 
     measured: dict[str, float] = {}
     if measure:

@@ -4,38 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 
 from twinfer.planners.calibration import Calibration
-from twinfer.planners.hardware import Cluster, lookup
+from twinfer.planners.describe import resolve_cluster
 from twinfer.runtime.errors import PlanError
 
-
-def resolve_cluster(hardware: str, gpus: int | None, nodes: int | None, memory_budget: str | None) -> Cluster:
-    """`auto` probes this machine, `cpu` its CPU; anything else is a device or node name from the table."""
-    from twinfer.planners import probe
-    from twinfer.planners.hw_table import DEVICES, NODE_SHAPES
-    from twinfer.planners.units import parse_bytes
-
-    if hardware == "auto":
-        cluster = probe.detect()
-    elif hardware == "cpu":
-        cluster = probe.probe_cpu()
-    else:
-        device, node = lookup(hardware, DEVICES, NODE_SHAPES)
-        per_node = node.gpus if node else 1
-        cluster = Cluster(device, gpus_per_node=per_node if gpus is None else gpus,
-                          nodes=1 if nodes is None else nodes, scale_out_gbs=node.scale_out_gbs if node else 50.0)
-        gpus = nodes = None
-    if gpus is not None or nodes is not None:
-        cluster = Cluster(cluster.device, cluster.gpus_per_node if gpus is None else gpus,
-                          cluster.nodes if nodes is None else nodes, cluster.scale_out_gbs, notes=cluster.notes)
-    if memory_budget is not None:
-        budget = parse_bytes(memory_budget)
-        if budget <= 0:
-            raise PlanError(f"--memory-budget must be positive, got {memory_budget!r}")
-        cluster = replace(cluster, memory_budget_bytes=budget)
-    return cluster
+__all__ = ["resolve_cluster", "run_plan"]
 
 
 def run_plan(model: str | None, hardware: str, gpus: int | None, nodes: int | None, fmt: str, kv_format: str,

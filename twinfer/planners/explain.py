@@ -195,21 +195,40 @@ def smallest_change(model: ModelProfile, cluster: Cluster, request: Request, eva
     need = c.memory.used * c.memory.devices
     if target_of(cluster) == "local":
         return _bigger_device(cluster, need, c)
-    if cluster.device.kind == "gpu":
-        fixed = replace(request, weights_format=s.mix.name, kv_format=s.kv.name)
-        top = cluster.device.max_per_node
-        for nodes in range(cluster.nodes, 65):
-            first = cluster.gpus_per_node + 1 if nodes == cluster.nodes else top
-            for gpus in range(first, top + 1):
-                if top % gpus:
-                    continue  # only node-sized splits (1, 2, 4, 8 ...)
-                bigger = replace(cluster, gpus_per_node=gpus, nodes=nodes)
-                chosen, _ = search(model, bigger, fixed, cal)
-                if chosen is not None:
-                    return (f"use --gpus {gpus}" + (f" --nodes {nodes}" if nodes > 1 else "")
-                            + f": {gpus * nodes}x {cluster.device.label} fit it as {chosen.strategy.label()}")
+    more = _more_gpus(model, cluster, request, c, cal) if cluster.device.kind == "gpu" else None
+    if more:
+        return more
     return (f"needs about {fmt_bytes(need)} even as {s.mix.label or s.mix.name}; this {cluster.device.label} "
             f"offers {fmt_bytes(cluster.capacity_bytes)} usable: choose hardware with more memory")
+
+
+MAX_SEARCHES = 12  # cluster sizes `smallest_change` tries before it gives up naming a GPU count
+
+
+def _more_gpus(model: ModelProfile, cluster: Cluster, request: Request, c: Candidate, cal: Calibration) -> str | None:
+    """`use --gpus N [--nodes M]` for the fewest GPUs that fit `c`'s formats, or None.
+
+    Sizes whose memory cannot hold one copy of the weights are skipped unsearched, and at most
+    `MAX_SEARCHES` sizes are searched, so a hopeless request (a 100 MB budget) answers at once.
+    """
+    s = c.strategy
+    fixed = replace(request, weights_format=s.mix.name, kv_format=s.kv.name)
+    top = cluster.device.max_per_node
+    tries = 0
+    for nodes in range(cluster.nodes, 65):
+        first = cluster.gpus_per_node + 1 if nodes == cluster.nodes else top
+        for gpus in range(first, top + 1):
+            if top % gpus or cluster.capacity_per_device * gpus * nodes < c.memory.weights_bytes:
+                continue  # only node-sized splits (1, 2, 4, 8 ...) that could hold the weights at all
+            tries += 1
+            if tries > MAX_SEARCHES:
+                return None
+            bigger = replace(cluster, gpus_per_node=gpus, nodes=nodes)
+            chosen, _ = search(model, bigger, fixed, cal)
+            if chosen is not None:
+                return (f"use --gpus {gpus}" + (f" --nodes {nodes}" if nodes > 1 else "")
+                        + f": {gpus * nodes}x {cluster.device.label} fit it as {chosen.strategy.label()}")
+    return None
 
 
 def _bigger_device(cluster: Cluster, need: float, c: Candidate) -> str:

@@ -7,6 +7,7 @@ never asks a device anything itself.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,7 +15,6 @@ from typing import Any
 from twinfer.runtime.errors import PlanError
 
 GPU, APPLE, CPU = "gpu", "apple", "cpu"
-
 HOST_DRAM_GBS = 60.0  # experts left in host RAM run at desktop DDR5 speed (llama.cpp --n-cpu-moe)
 NVME_GBS = 3.0  # a PCIe 4 NVMe drive's sequential read, for rows that publish no storage rate
 # Per-device link bandwidth as vendors publish it (bidirectional; PCIe at x16), by the `link` name rows use.
@@ -22,6 +22,7 @@ LINK_GBS: dict[str, float] = {
     "none": 0.0, "pcie3": 32.0, "pcie4": 64.0, "pcie5": 128.0, "pcie6": 256.0,
     "nvlink2": 300.0, "nvlink3": 600.0, "nvlink4": 900.0, "nvlink5": 1800.0,
 }
+
 
 @dataclass(frozen=True)
 class Device:
@@ -56,8 +57,20 @@ class Device:
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.memory_gb <= 0 or self.bandwidth_gbs <= 0:
-            raise PlanError(f"hardware {self.name}: memory and bandwidth must be positive")
+        if self.kind not in (GPU, APPLE, CPU):
+            raise PlanError(f"hardware {self.name}: kind must be {GPU}, {APPLE} or {CPU}, not {self.kind!r}")
+        positive = {"memory_gb": self.memory_gb, "bandwidth_gbs": self.bandwidth_gbs,
+                    "vector_tflops": self.vector_tflops, "clock_ghz": self.clock_ghz,
+                    **{f"tensor_tflops.{k}": v for k, v in self.tensor_tflops}}
+        for key, value in positive.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise PlanError(f"hardware {self.name}: {key} must be a positive number, got {value!r}")
+        for key, value in (("interconnect_gbs", self.interconnect_gbs), ("host_link_gbs", self.host_link_gbs),
+                           ("storage_gbs", self.storage_gbs)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise PlanError(f"hardware {self.name}: {key} must be zero or a positive number, got {value!r}")
+        if self.max_per_node < 1 or self.dies < 1:
+            raise PlanError(f"hardware {self.name}: max_per_node and dies must be at least 1")
 
     @property
     def natives(self) -> frozenset[str]:
@@ -69,6 +82,13 @@ class Device:
         if dtype in table:
             return table[dtype]
         return table.get("bf16", table.get("f16", self.vector_tflops))
+
+    @property
+    def stream_gbs(self) -> float:
+        """Where experts that are not resident come from: the SSD on unified memory, host RAM over the
+        (desktop DDR5 speed) on a discrete GPU. A unified row that names no SSD rate (a GB10) gets a PCIe 4
+        NVMe drive's 3 GB/s rather than zero."""
+        return (self.storage_gbs or NVME_GBS) if self.unified else HOST_DRAM_GBS
 
     @property
     def memory_bytes(self) -> float:
@@ -83,13 +103,6 @@ class Device:
 
     def row(self) -> dict[str, Any]:
         """The object `twinfer hw --list --json` prints."""
-    @property
-    def stream_gbs(self) -> float:
-        """Where experts that are not resident come from: the SSD on unified memory, host RAM over the
-        (desktop DDR5 speed) on a discrete GPU. A unified row that names no SSD rate (a GB10) gets a PCIe 4
-        NVMe drive's 3 GB/s rather than zero."""
-        return (self.storage_gbs or NVME_GBS) if self.unified else HOST_DRAM_GBS
-
         return {
             "name": self.name,
             "label": self.label,
@@ -146,8 +159,15 @@ class Cluster:
         d = self.device
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise PlanError(f"--gpus and --nodes must be at least 1 (got {self.gpus_per_node} and {self.nodes})")
+        if not (math.isfinite(self.scale_out_gbs) and self.scale_out_gbs > 0):
+            raise PlanError(f"the network between nodes needs a positive bandwidth, got {self.scale_out_gbs!r} GB/s")
+        if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
+            raise PlanError(f"--memory-budget must be positive, got {self.memory_budget_bytes!r} bytes")
         if d.kind != GPU and (self.gpus_per_node > 1 or self.nodes > 1):
             raise PlanError(f"{d.label} is a single {d.kind} device: --gpus and --nodes must be 1")
+        if self.gpus_per_node > 1 and d.interconnect_gbs <= 0:
+            raise PlanError(f"{d.label} names no link between its GPUs (interconnect 0 GB/s): use --gpus 1, "
+                            "or describe its link (link=pcie4 or interconnect=64GB/s)")
         if self.gpus_per_node > d.max_per_node:
             nodes = -(-self.gpus_per_node // d.max_per_node)
             raise PlanError(
@@ -188,40 +208,65 @@ class Cluster:
 
 
 def normalize(name: str) -> str:
-    """`NVIDIA H100 SXM` -> `h100-sxm`; `Apple M2 Max 38-core` -> `m2-max-38c`."""
+    """`NVIDIA H100 SXM` -> `h100-sxm`; `Apple M2 Max 38-core` -> `m2-max-38c`; `GeForce RTX 4070` -> `rtx-4070`."""
     s = name.lower().replace("_", "-").replace(" ", "-")
-    s = re.sub(r"^(nvidia|amd|apple|instinct)-", "", s)
+    s = re.sub(r"^((nvidia|amd|apple|instinct|geforce|tesla)-)+", "", s)
     s = re.sub(r"(\d+)-?core", r"\1c", s)
     s = re.sub(r"(\d+)-?gpu\b", r"\1c", s)
     return re.sub(r"-+", "-", s).strip("-")
 
 
+def compact(name: str) -> str:
+    """`normalize` without hyphens, so `rtx4070ti`, `RTX 4070 Ti` and `rtx-4070-ti` are one key."""
+    return normalize(name).replace("-", "")
+
+
+def _index(devices: dict[str, Device], nodes: dict[str, NodeShape]) -> dict[str, tuple[Device | None, NodeShape | None]]:
+    index: dict[str, tuple[Device | None, NodeShape | None]] = {}
+    for d in devices.values():
+        for alias in (d.name, *d.aliases):
+            index[compact(alias)] = (d, None)
+    for n in nodes.values():
+        for alias in (n.name, *n.aliases):
+            index[compact(alias)] = (None, n)
+    return index
+
+
+def find(name: str, devices: dict[str, Device], nodes: dict[str, NodeShape]) -> tuple[Device, NodeShape | None] | None:
+    """The device or node shape called `name` (any alias, case and punctuation ignored), or None."""
+    hit = _index(devices, nodes).get(compact(name))
+    if hit is None:
+        return None
+    device, node = hit
+    if node is not None:
+        device = devices[node.device]
+    assert device is not None
+    return device, node
+
+
 def lookup(name: str, devices: dict[str, Device], nodes: dict[str, NodeShape]) -> tuple[Device, NodeShape | None]:
-    """Find a device or node shape by name; `NAME@64` (or `@64GB`) picks a memory size for Macs.
+    """Find a device or node shape by name; `NAME@64` (or `@64GB`) picks a memory size where a row offers several.
 
     Raises PlanError listing close matches when nothing matches.
     """
     base, _, mem = name.partition("@")
-    key = normalize(base)
-    index: dict[str, tuple[Device | None, NodeShape | None]] = {}
-    for d in devices.values():
-        for alias in (d.name, *d.aliases):
-            index[normalize(alias)] = (d, None)
-    for n in nodes.values():
-        for alias in (n.name, *n.aliases):
-            index[normalize(alias)] = (None, n)
-    if key not in index:
-        close = difflib.get_close_matches(key, list(index), n=5, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise PlanError(f"unknown hardware {name!r}{hint} (`twinfer hw --list` shows the table)")
-    device, node = index[key]
-    if node is not None:
-        device = devices[node.device]
-    assert device is not None
+    hit = find(base, devices, nodes)
+    if hit is None:
+        names = [normalize(a) for d in devices.values() for a in (d.name, *d.aliases)]
+        names += [normalize(a) for n in nodes.values() for a in (n.name, *n.aliases)]
+        close = difflib.get_close_matches(normalize(base), names, n=5, cutoff=0.5)
+        hint = f"; did you mean {', '.join(dict.fromkeys(close))}?" if close else ""
+        raise PlanError(f"unknown hardware {name!r}{hint} (`twinfer hw --list` shows the table; "
+                        "--hardware also takes a description, e.g. 'gpu:memory=24GB,bandwidth=1008GB/s,bf16=165')")
+    device, node = hit
     if mem:
-        gb = float(re.sub(r"(?i)\s*gi?b$", "", mem))
         options = device.memory_options_gb or (device.memory_gb,)
+        listed = ", ".join(f"{o:g}" for o in options)
+        try:
+            gb = float(re.sub(r"(?i)\s*gi?b$", "", mem.strip()))
+        except ValueError:
+            raise PlanError(f"cannot read the memory size in {name!r}: write e.g. {base}@{options[-1]:g}") from None
         if gb not in options:
-            raise PlanError(f"{device.label} comes with {', '.join(f'{o:g}' for o in options)} GB, not {mem}")
+            raise PlanError(f"{device.label} comes with {listed} GB, not {mem}")
         device = device.with_memory(gb)
     return device, node

@@ -11,7 +11,10 @@ FLOPS = cores x 128 ALUs x 2 x clock.
 
 from __future__ import annotations
 
-from twinfer.planners.hardware import APPLE, GPU, Device, NodeShape
+import re
+
+from twinfer.planners.hardware import APPLE, GPU, Device, NodeShape, find
+from twinfer.planners.hw_table_gpus import OWNED_GPUS
 
 _NV_DC = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 
@@ -60,24 +63,6 @@ GPUS: list[Device] = [
          {"bf16": 2500.0, "f16": 2500.0, "fp8": 5000.0, "int8": 5000.0, "fp4": 15000.0}, 80.0, 1.965,
          "nvidia.com/en-us/data-center/gb300-nvl72/ (up to 288 GB HBM3e per GPU, 1080 PF dense FP4 per 72 GPUs)",
          per_node=72, host=450),
-    _gpu("l40s", "NVIDIA L40S 48GB", "nvidia", 48, 864, "gddr", "pcie4", 64,
-         {"bf16": 366.0, "f16": 366.0, "fp8": 733.0, "int8": 733.0}, 91.6, 2.52,
-         "nvidia.com/en-us/data-center/l40s/ (L40S datasheet)"),
-    _gpu("rtx-3060", "NVIDIA GeForce RTX 3060 12GB", "nvidia", 12, 360, "gddr", "pcie4", 32,
-         {"bf16": 25.6, "f16": 25.6, "int8": 102.0}, 12.7, 1.777,
-         "nvidia.com/en-us/geforce/graphics-cards/30-series/rtx-3060-3060ti/ + NVIDIA Ampere GA10x whitepaper",
-         per_node=4, host=32, aliases=("3060",)),
-    _gpu("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", "nvidia", 24, 936, "gddr", "pcie4", 64,
-         {"bf16": 71.0, "f16": 71.0, "int8": 284.0}, 35.6, 1.695,
-         "NVIDIA Ampere GA102 GPU architecture whitepaper (FP32-accumulate tensor rate)", per_node=4,
-         aliases=("3090",)),
-    _gpu("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", "nvidia", 24, 1008, "gddr", "pcie4", 64,
-         {"bf16": 165.2, "f16": 165.2, "fp8": 330.3, "int8": 660.6}, 82.6, 2.52,
-         "NVIDIA Ada Lovelace GPU architecture whitepaper, RTX 4090 column", per_node=4, aliases=("4090",)),
-    _gpu("rtx-5090", "NVIDIA GeForce RTX 5090 32GB", "nvidia", 32, 1792, "gddr", "pcie5", 128,
-         {"bf16": 209.5, "f16": 209.5, "fp8": 419.0, "int8": 838.0, "fp4": 838.0}, 104.8, 2.41,
-         "nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/ + RTX Blackwell whitepaper "
-         "(3352 AI TOPS = FP4 sparse; FP32-accumulate rates)", per_node=4, host=128, aliases=("5090",)),
     _gpu("gb10", "NVIDIA GB10 (DGX Spark) 128GB", "nvidia", 128, 273, "lpddr", "connectx7", 25,
          {"bf16": 125.0, "f16": 125.0, "fp8": 250.0, "fp4": 500.0}, 31.0, 2.5,
          "nvidia.com/en-us/products/workstations/dgx-spark/ (1 PF FP4 sparse, 273 GB/s LPDDR5x; "
@@ -175,5 +160,42 @@ NODES: list[NodeShape] = [
               "amd.com/en/products/accelerators/instinct/mi350/mi355x.html"),
 ]
 
-DEVICES: dict[str, Device] = {d.name: d for d in GPUS + APPLE_CHIPS}
+DEVICES: dict[str, Device] = {d.name: d for d in GPUS + OWNED_GPUS + APPLE_CHIPS}
 NODE_SHAPES: dict[str, NodeShape] = {n.name: n for n in NODES}
+
+# Driver names (nvidia-smi / NVML) that no table alias spells, as substrings checked in order after the
+# exact match: HBM and NVL variants, server editions. Laptop GPUs are left unmatched on purpose: they share
+# desktop names with fewer SMs and less bandwidth, so the probe derives their numbers from the driver.
+_DRIVER_RULES = (
+    ("gb300", "gb300"), ("gb200", "gb200"), ("b300", "b300"), ("b200", "b200"), ("h200", "h200"),
+    ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100-pcie", "a100-pcie"), ("a100 pcie", "a100-pcie"),
+    ("a100-sxm4-40gb", "a100-40gb"), ("a100", "a100-sxm"), ("rtx pro 6000", "rtx-pro-6000"), ("v100s", "v100-pcie"), ("v100-pcie", "v100-pcie"),
+    ("v100", "v100-sxm2"), ("gb10", "gb10"), ("mi355x", "mi355x"), ("mi325x", "mi325x"), ("mi300x", "mi300x"),
+)
+
+
+def match_driver_name(name: str, memory_gb: float, devices: dict[str, Device] | None = None) -> Device | None:
+    """The table row for a GPU the driver calls `name` with `memory_gb` of memory, or None if unknown.
+
+    The memory size (decimal GB from the driver; vendors print GiB as "GB") picks among a row's options
+    (a 16 GB RTX 4060 Ti) and replaces the row's when it differs by more than 10% (an A100 40GB PCIe).
+    """
+    devices = DEVICES if devices is None else devices
+    lowered = name.lower()
+    if "laptop" in lowered or "mobile" in lowered:
+        return None
+    plain = re.sub(r"\b\d+\s*gb\b", " ", lowered)
+    plain = re.sub(r"\b(generation|workstation edition|hbm\d?e?)\b", " ", plain)
+    hit = find(plain, devices, NODE_SHAPES)
+    device = hit[0] if hit and hit[1] is None else None
+    if device is None:
+        key = next((k for needle, k in _DRIVER_RULES if needle in lowered), None)
+        device = devices.get(key) if key else None
+    if device is None:
+        return None
+    gib = memory_gb / 1.073741824
+    options = device.memory_options_gb or (device.memory_gb,)
+    nearest = min(options, key=lambda o: min(abs(o - memory_gb), abs(o - gib)))
+    if min(abs(nearest - memory_gb), abs(nearest - gib)) <= 0.1 * nearest:
+        return device.with_memory(nearest) if nearest != device.memory_gb else device
+    return device.with_memory(round(gib))

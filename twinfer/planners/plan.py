@@ -123,6 +123,8 @@ def runner_formats(backend: str, device_kind: str) -> tuple[str, str]:
 def make_plan(model: ModelProfile, cluster: Cluster, request: Request, cal: Calibration | None = None) -> Plan:
     """Choose how to run `model` on `cluster` for `request`, predict its speed, and explain the choice."""
     cal = cal or Calibration()
+    if request.context > model.spec.max_position:
+        raise PlanError(f"--context {request.context} exceeds {model.name}'s limit of {model.spec.max_position} tokens")
     target = target_of(cluster)
     chosen, evaluated = search(model, cluster, request, cal)
     notes = model.notes + cluster.notes

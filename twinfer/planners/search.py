@@ -30,6 +30,7 @@ from twinfer.planners.formats import (
 from twinfer.planners.hardware import APPLE, CPU, Cluster
 from twinfer.planners.memory import Memory, memory_for
 from twinfer.planners.model import ModelProfile, profile_from_spec
+from twinfer.runtime.errors import PlanError
 
 LOCAL_MIXES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_xs", "q3_k_m", "q2_k", "tq4", "tq3")
 # Requantizing a file, these llama.cpp mixes are also tried with the embedding/output at each of
@@ -50,6 +51,12 @@ class Request:
     concurrency: int = 1
     weights_format: str = "auto"
     kv_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.context < 1:
+            raise PlanError(f"--context must be at least 1, got {self.context}")
+        if self.concurrency < 1:
+            raise PlanError(f"--concurrency must be at least 1, got {self.concurrency}")
 
 
 @dataclass(frozen=True)
