@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pinned_host import pinned_cpu  # noqa: E402
 
 from twinfer.planners.hardware import CPU, Cluster
 from twinfer.planners.plan import make_plan, runner_formats
-from twinfer.planners.probe import probe_cpu
 from twinfer.planners.search import Request
 from twinfer.planners.source import resolve
 
@@ -27,7 +27,7 @@ TOL = 0.02  # the issue's bound; llama.cpp's log rounds MiB to two decimals, its
 
 
 def planned(model: str | Path, context: int, weights: str, kv: str, cluster: Cluster | None = None) -> dict[str, Any]:
-    plan = make_plan(resolve(str(model)), cluster or probe_cpu(), Request(context, 1, weights, kv)).to_json()
+    plan = make_plan(resolve(str(model)), cluster if cluster is not None else pinned_cpu(), Request(context, 1, weights, kv)).to_json()
     assert plan["fits"]
     return plan
 

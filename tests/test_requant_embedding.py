@@ -89,9 +89,13 @@ def test_embedding_kl_follows_measurements(gemma: ModelProfile) -> None:
 
 
 def test_budget_strategy_requantizes_the_embedding(default_model: Path) -> None:
-    from twinfer.runtime.budget import llamacpp_strategy
+    from pinned_host import pinned_cpu
 
-    s = llamacpp_strategy(load_model(default_model), 400_000_000, 1024, 1, False)
-    assert (s.requantize, s.embed_type, s.kv_type) == ("q4_k_m", "q5_0", "f16")
+    from twinfer.app.budget import llamacpp_strategy
+
+    # The KV choice trades speed against KL, so it depends on the machine: plan for the pinned laptop.
+    s = llamacpp_strategy(load_model(default_model), 400_000_000, 1024, 1, False, hardware=pinned_cpu())
+    assert (s.requantize, s.embed_type) == ("q4_k_m", "q5_0")
+    assert s.kv_type == "f16"  # on this 2-core AVX2 laptop: dequantizing a q8_0 KV costs more than it saves
     assert 360e6 < s.predicted_bytes <= 400e6  # 184 MB of weights, 19 MB of F16 KV, workspace and overhead
     assert "token embedding and output matrix in Q5_0" in s.summary()
