@@ -104,3 +104,67 @@ def test_probe_cpu_reads_this_machine() -> None:
     cluster = probe.probe_cpu()
     d = cluster.device
     assert d.kind == "cpu" and d.memory_gb > 0 and d.bandwidth_gbs > 0 and d.vector_tflops > 0
+
+
+# Headline dense peaks as vendor pages print them ("with sparsity" figures halved; GeForce 40 "AI TOPS" are
+# FP8 with sparsity and FP16 accumulate, a quarter of which is the FP32-accumulate dense rate; GeForce 50
+# and RTX PRO "AI TOPS" are FP4 with sparsity).
+PUBLISHED = [
+    ("rtx-3090", "bf16", 71.0), ("rtx-4060", "fp8", 242 / 4), ("rtx-4060-ti", "fp8", 353 / 4),
+    ("rtx-4070", "fp8", 466 / 4), ("rtx-4070-ti", "fp8", 641 / 4), ("rtx-4080", "fp8", 780 / 4),
+    ("rtx-4090", "bf16", 165.2), ("rtx-4090", "fp8", 330.3), ("rtx-5060-ti", "fp4", 759 / 2),
+    ("rtx-5070", "fp4", 988 / 2), ("rtx-5070-ti", "fp4", 1406 / 2), ("rtx-5080", "fp4", 1801 / 2),
+    ("rtx-5090", "fp4", 3352 / 2), ("rtx-5090", "bf16", 209.5), ("rtx-pro-6000", "fp4", 4000 / 2),
+    ("rtx-a2000", "f16", 63.9 / 2), ("rtx-a4000", "f16", 153.4 / 2), ("rtx-a4500", "f16", 189.2 / 2),
+    ("rtx-a5000", "f16", 222.2 / 2), ("rtx-a6000", "f16", 309.7 / 2), ("rtx-4500-ada", "fp8", 634 / 2),
+    ("rtx-5000-ada", "fp8", 1044.4 / 2), ("rtx-6000-ada", "fp8", 1457 / 2), ("l4", "bf16", 242 / 2),
+    ("l4", "fp8", 485 / 2), ("l40", "bf16", 181.05), ("l40s", "bf16", 366.0), ("l40s", "fp8", 733.0),
+    ("a10", "bf16", 125.0), ("a10", "int8", 250.0), ("a30", "bf16", 165.0), ("a30", "int8", 330.0),
+    ("a40", "bf16", 149.7), ("t4", "f16", 65.0), ("t4", "int8", 130.0), ("v100-sxm2", "f16", 125.0),
+    ("v100-pcie", "f16", 112.0),
+]
+FP32 = [("rtx-3090", 35.6), ("rtx-4090", 82.6), ("rtx-5090", 104.8), ("rtx-a2000", 8.0), ("rtx-a6000", 38.7),
+        ("rtx-4000-ada", 26.7), ("rtx-6000-ada", 91.1), ("rtx-pro-6000", 125.0), ("l4", 30.3), ("l40", 90.5),
+        ("l40s", 91.6), ("a10", 31.2), ("a30", 10.3), ("a40", 37.4), ("t4", 8.1), ("v100-sxm2", 15.7),
+        ("v100-pcie", 14.0)]
+
+
+@pytest.mark.parametrize("name,dtype,tflops", PUBLISHED)
+def test_owned_gpu_rows_reproduce_published_peaks(name: str, dtype: str, tflops: float) -> None:
+    assert dict(DEVICES[name].tensor_tflops)[dtype] == pytest.approx(tflops, rel=0.015)
+
+
+@pytest.mark.parametrize("name,tflops", FP32)
+def test_owned_gpu_rows_reproduce_published_fp32(name: str, tflops: float) -> None:
+    assert DEVICES[name].vector_tflops == pytest.approx(tflops, rel=0.015)
+
+
+def test_chips_list_only_the_dtypes_they_run() -> None:
+    assert "bf16" not in DEVICES["t4"].natives and "bf16" not in DEVICES["v100-sxm2"].natives  # Turing, Volta
+    assert "int8" not in DEVICES["v100-pcie"].natives and "fp8" not in DEVICES["rtx-3090"].natives
+    assert "fp4" in DEVICES["rtx-5060-ti"].natives and "fp4" not in DEVICES["rtx-4090"].natives
+
+
+@pytest.mark.parametrize("typed,row", [("4070", "rtx-4070"), ("rtx4070", "rtx-4070"), ("RTX 4070 Ti", "rtx-4070-ti"),
+                                       ("NVIDIA GeForce RTX 5060 Ti", "rtx-5060-ti"), ("a6000", "rtx-a6000"),
+                                       ("RTX A6000", "rtx-a6000"), ("l4", "l4"), ("L40S", "l40s"), ("t4", "t4"),
+                                       ("v100", "v100-sxm2"), ("6000-ada", "rtx-6000-ada"),
+                                       ("rtx-pro-6000-blackwell", "rtx-pro-6000"), ("3090ti", "rtx-3090-ti")])
+def test_names_people_type(typed: str, row: str) -> None:
+    assert lookup(typed, DEVICES, NODE_SHAPES)[0].name == row
+
+
+def test_every_alias_names_one_row_and_memory_options_apply() -> None:
+    from twinfer.planners.hardware import compact
+
+    owner: dict[str, str] = {}
+    for d in DEVICES.values():
+        for alias in (d.name, *d.aliases):
+            assert owner.setdefault(compact(alias), d.name) == d.name, f"{alias} names {owner[compact(alias)]} too"
+            assert lookup(alias, DEVICES, NODE_SHAPES)[0].name == d.name
+    assert lookup("4060-ti@8", DEVICES, NODE_SHAPES)[0].memory_gb == 8
+    assert lookup("v100-pcie@16GB", DEVICES, NODE_SHAPES)[0].memory_gb == 16
+    with pytest.raises(PlanError, match="cannot read the memory size"):
+        lookup("v100@lots", DEVICES, NODE_SHAPES)
+    with pytest.raises(PlanError, match="comes with 16, 32 GB"):
+        lookup("v100@24", DEVICES, NODE_SHAPES)

@@ -118,6 +118,9 @@ _APPLE = [
 
 def _apple_rows() -> list[Device]:
     rows = []
+    top: dict[str, int] = {}  # the chip's name alone means its biggest GPU (`m3-max` = the 40-core one)
+    for chip, core_counts, *_ in _APPLE:
+        top[chip] = max(top.get(chip, 0), *core_counts)
     for chip, core_counts, bw, mems, clock, ssd, dies, src in _APPLE:
         for cores in core_counts:
             flops = cores * 128 * 2 * clock / 1000  # FP32 = FP16 rate on Apple GPUs
@@ -129,7 +132,7 @@ def _apple_rows() -> list[Device]:
                 clock_ghz=clock, source=src + "; GPU clock: github.com/philipturner/metal-benchmarks",
                 chip=chip, gpu_cores=cores, memory_options_gb=tuple(float(m) for m in mems),
                 storage_gbs=ssd, dies=dies, max_per_node=1,
-                aliases=(key.replace("-", ""),) + ((chip.lower().replace(" ", "-"),) if cores == max(core_counts) else ()),
+                aliases=(chip.lower().replace(" ", "-"),) if cores == top[chip] else (),
             ))
     return rows
 
