@@ -45,21 +45,32 @@ _DEFAULT_CLOCK = {GPU: 1.8, APPLE: 1.4, CPU: 3.0}
 
 
 def is_description(hardware: str) -> bool:
-    """Whether `--hardware` names a description (a file, or inline `key=value` pairs) rather than a table row."""
-    return "=" in hardware or hardware.lower().endswith((".toml", ".json")) or Path(hardware).is_file()
+    """Whether `--hardware` is a description (a .toml/.json file, or inline `key=value` pairs), not a table name."""
+    return "=" in hardware or _is_file_name(hardware)
 
 
-def _number(key: str, value: Any) -> float:
+def _is_file_name(hardware: str) -> bool:
+    return "=" not in hardware and hardware.lower().endswith((".toml", ".json"))
+
+
+ZERO_OK = ("interconnect_gbs", "storage_gbs", "host_link_gbs")  # "none" is a fine answer for these
+
+
+def _number(key: str, value: Any, origin: str) -> float:
     units, example = NUMBERS[key]
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise PlanError(f"hardware {key}: {value!r} is not a number; write e.g. {example}")
+        raise PlanError(f"{origin}: {key}: {value!r} is not a number; write e.g. {example}")
     if isinstance(value, (int, float)):
-        return float(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*", value)
-    unit = m.group(2).lower() if m else ""
-    if m is None or (unit and unit not in units):
-        raise PlanError(f"hardware {key}: cannot read {value!r}; write e.g. {example}")
-    return float(m.group(1)) * (units[unit] if unit else 1.0)
+        number = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*", value)
+        unit = m.group(2).lower() if m else ""
+        if m is None or (unit and unit not in units):
+            raise PlanError(f"{origin}: {key}: cannot read {value!r}; write e.g. {example}")
+        number = float(m.group(1)) * (units[unit] if unit else 1.0)
+    if not (number > 0 or (number == 0 and key in ZERO_OK)):
+        raise PlanError(f"{origin}: {key} must be a positive number, got {value!r}; write e.g. {example}")
+    return number
 
 
 def _fields(raw: dict[str, Any], origin: str) -> dict[str, Any]:
@@ -73,9 +84,9 @@ def _fields(raw: dict[str, Any], origin: str) -> dict[str, Any]:
             for dtype, rate in v.items():
                 if dtype not in DTYPES:
                     raise PlanError(f"{origin}: tensor_tflops.{dtype} is not a dtype; use {', '.join(DTYPES)}")
-                out[dtype] = _number(dtype, rate)
+                out[dtype] = _number(dtype, rate, origin)
         elif key in NUMBERS:
-            out[key] = _number(key, v)
+            out[key] = _number(key, v, origin)
         elif key in TEXTS:
             out[key] = str(v).strip()
         else:
@@ -205,9 +216,9 @@ def describe_device(f: dict[str, Any], origin: str = "--hardware") -> Device:
 
 def device_from(hardware: str) -> Device:
     """The device a description names: inline `key=value` pairs, or a `.toml`/`.json` file."""
-    if "=" in hardware and not Path(hardware).is_file():
-        return describe_device(parse_inline(hardware))
-    return describe_device(read_file(hardware), f"--hardware {hardware}")
+    if _is_file_name(hardware):
+        return describe_device(read_file(hardware), f"--hardware {hardware}")
+    return describe_device(parse_inline(hardware))
 
 
 def resolve_cluster(hardware: str, gpus: int | None = None, nodes: int | None = None,
