@@ -85,9 +85,9 @@ class Device:
 
     @property
     def stream_gbs(self) -> float:
-        """Where experts that are not resident come from: the SSD on unified memory, host RAM over the
-        (desktop DDR5 speed) on a discrete GPU. A unified row that names no SSD rate (a GB10) gets a PCIe 4
-        NVMe drive's 3 GB/s rather than zero."""
+        """GB/s at which experts that are not resident are read: the SSD on unified memory, host RAM (at
+        desktop DDR5 speed, where llama.cpp's --n-cpu-moe runs them) beside a discrete GPU. A unified row
+        that names no SSD rate (a GB10) gets a PCIe 4 NVMe drive's 3 GB/s rather than zero."""
         return (self.storage_gbs or NVME_GBS) if self.unified else HOST_DRAM_GBS
 
     @property
