@@ -254,6 +254,7 @@ def test_models_health_metrics(srv: ServerThread) -> None:
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 OK_COMP = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 CHAT_URL, COMP_URL = "/v1/chat/completions", "/v1/completions"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 BAD = [  # (id, path, body (bytes: sent as is), status, param)
     ("malformed json", CHAT_URL, b'{"messages": [', 400, None),
     ("not an object", CHAT_URL, b"[1, 2]", 400, None),
@@ -277,14 +278,11 @@ BAD = [  # (id, path, body (bytes: sent as is), status, param)
     ("max_tokens 0", COMP_URL, {**OK_COMP, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens absurd", CHAT_URL, {**OK_CHAT, "max_tokens": 10**12}, 400, "max_tokens"),
     ("max_tokens string", CHAT_URL, {**OK_CHAT, "max_tokens": "10"}, 400, "max_tokens"),
-    ("n 2", CHAT_URL, {**OK_CHAT, "n": 2}, 400, "n"),
     ("stream string", CHAT_URL, {**OK_CHAT, "stream": "yes"}, 400, "stream"),
     ("stream_options without stream", CHAT_URL, {**OK_CHAT, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("top_logprobs without logprobs", CHAT_URL, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top_logprobs 50", CHAT_URL, {**OK_CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
-    ("tools", CHAT_URL, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("logit_bias", CHAT_URL, {**OK_CHAT, "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("seed string", CHAT_URL, {**OK_CHAT, "seed": "abc"}, 400, "seed"),
     ("stop list of ints", COMP_URL, {**OK_COMP, "stop": [1]}, 400, None),
     ("empty stop string", COMP_URL, {**OK_COMP, "stop": [""]}, 400, "stop"),
@@ -297,7 +295,32 @@ BAD = [  # (id, path, body (bytes: sent as is), status, param)
     ("prompt + max_tokens over context", COMP_URL, {**OK_COMP, "prompt": "x" * 500, "max_tokens": 100}, 400,
      "max_tokens"),
     ("completions logprobs 50", COMP_URL, {**OK_COMP, "logprobs": 50}, 400, "logprobs"),
-    ("echo", COMP_URL, {**OK_COMP, "echo": True}, 400, "echo"),
+    ("n 200", CHAT_URL, {**OK_CHAT, "n": 200}, 400, "n"),
+    ("echo with logprobs", COMP_URL, {**OK_COMP, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("logit_bias not an id", CHAT_URL, {**OK_CHAT, "logit_bias": {"x": 10}}, 400, "logit_bias"),
+    ("logit_bias id outside vocab", CHAT_URL, {**OK_CHAT, "logit_bias": {"5000": 10}}, 400, "logit_bias"),
+    ("logit_bias 101", CHAT_URL, {**OK_CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("invalid json schema", CHAT_URL, {**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frobnicate"}}}}, 400, None),
+    ("unsatisfiable json schema", CHAT_URL, {**OK_CHAT, "guided_json": {"type": "integer", "minimum": 3,
+                                                                        "maximum": 1}}, 400, None),
+    ("bad regex", COMP_URL, {**OK_COMP, "guided_regex": "(a"}, 400, None),
+    ("bad gbnf", COMP_URL, {**OK_COMP, "grammar": "root ::= undefined"}, 400, None),
+    ("two constraints", CHAT_URL, {**OK_CHAT, "guided_regex": "a", "response_format": {"type": "json_object"}},
+     400, "guided_regex"),
+    ("unknown response_format", CHAT_URL, {**OK_CHAT, "response_format": {"type": "yaml"}}, 400,
+     "response_format.type"),
+    ("json_schema without schema", CHAT_URL, {**OK_CHAT, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema"),
+    ("guided_choice empty", CHAT_URL, {**OK_CHAT, "guided_choice": []}, 400, "guided_choice"),
+    ("tool_choice unknown function", CHAT_URL, {**OK_CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),
+    ("tool_choice without tools", CHAT_URL, {**OK_CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("tool_choice word", CHAT_URL, {**OK_CHAT, "tools": [TOOL], "tool_choice": "always"}, 400, "tool_choice"),
+    ("tool without name", CHAT_URL, {**OK_CHAT, "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
+    ("tool with bad schema", CHAT_URL, {**OK_CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "frobnicate"}}}], "tool_choice": "required"}, 400, None),
+    ("tools twice", CHAT_URL, {**OK_CHAT, "tools": [TOOL, TOOL]}, 400, "tools"),
 ]
 
 
@@ -545,7 +568,7 @@ def test_drain_finishes_in_flight_and_refuses_new(tiny: Tiny) -> None:
 
         events = asyncio.run(run())
         assert events[-1] == "[DONE]"
-        assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
+        assert [e["choices"][0].get("finish_reason") for e in events[:-1]][-1] == "length"
         st._thread.join(10)
         assert not st._thread.is_alive(), "the server did not exit after draining"
 

@@ -5,8 +5,10 @@ before that, on a worker thread with a time limit (`compile`), so the engine thr
 for a large grammar. A compile that fails or runs past `time_limit_s` is cached as that failure,
 so a client resending it costs nothing. Thread-safe.
 
-The llguidance tokenizer is built once from the model's `tokenizers` backend, sized to the model's
-logit rows: Gemma 3 pads its output matrix past the tokenizer's ids, and those rows are never allowed.
+The llguidance tokenizer is built once, on first use, from the model's `tokenizers` backend (about
+8 s for Gemma 3's 262k tokens on a laptop core; not counted against the time limit), sized to the
+model's logit rows: Gemma 3 pads its output matrix past the tokenizer's ids, and those rows are
+never allowed.
 """
 
 from __future__ import annotations
@@ -108,10 +110,16 @@ class Grammars:
     def _build(self, constraint: Constraint, entry: _Entry) -> None:
         import llguidance
 
+        try:
+            tokenizer = self.ll_tokenizer()  # built once per model (seconds for 262k tokens), not timed
+        except GrammarError as e:
+            entry.error = str(e)
+            entry.ready.set()
+            return
         started = time.perf_counter()
         try:
             grammar = constraint.grammar()
-            matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if matcher.is_error():
                 entry.error = f"the {constraint.kind} constraint does not compile: {matcher.get_error()}"
             else:

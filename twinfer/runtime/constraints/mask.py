@@ -22,10 +22,13 @@ from twinfer.runtime.constraints.spec import Constraint
 
 @dataclass
 class Guide:
-    """One request's grammar state."""
+    """One request's grammar state. `consumed` counts the output tokens the matcher has taken;
+    `done_at` is that count when the grammar completed (a drafted step advances several at once)."""
 
     matcher: Any  # llguidance.LLMatcher
     grammars: Grammars
+    consumed: int = 0
+    done_at: int | None = None
 
     @property
     def stats(self) -> ConstraintStats:
@@ -39,14 +42,17 @@ class Guide:
             if not self.matcher.consume_token(int(token)):
                 self.stats.rejected_tokens += 1
                 return
+            self.consumed += 1
+            if self.matcher.is_stopped():
+                self.done_at = self.consumed
 
     def reset(self) -> None:
         self.matcher.reset()
+        self.consumed, self.done_at = 0, None
 
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and admits nothing more."""
-        return bool(self.matcher.is_stopped())
+    def complete_at(self, output_tokens: int) -> bool:
+        """Whether the grammar was complete once the request had `output_tokens` tokens."""
+        return self.done_at is not None and output_tokens >= self.done_at
 
 
 def _unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:

@@ -65,6 +65,19 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, RequestOutput]],
+             handed: threading.Event, passes: int = 3) -> None:
+    """On the callers' loop: queue each output, then set `handed` after `passes` more turns of the
+    loop, by which time the woken handlers have formatted and written what they got."""
+    if items:
+        for stream, out in items:
+            stream.queue.put_nowait(out)
+    if passes == 0:
+        handed.set()
+    else:
+        loop.call_soon(_deliver, loop, [], handed, passes - 1)
+
+
 class _Stream:
     """The asyncio side of one request: a queue on the caller's loop, fed from the engine thread."""
 
@@ -149,6 +162,7 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
+        self.handoff_wait_s = 0.05  # the most a step waits for the loop to take the previous step's output
         self.max_running = engine.scheduler.config.max_seqs
         self.max_context = engine.max_context
         self.vocab_size = engine.runner.spec.vocab_size
@@ -281,6 +295,7 @@ class AsyncEngine:
         """Compile `constraint` on a worker thread, within the engine's grammar time limit, so the
         engine thread finds it cached. Raises GrammarError (a RequestError) when it cannot be used."""
         grammars = self.engine.grammars
+        await asyncio.to_thread(grammars.ll_tokenizer)  # once per model; the limit is for the grammar
         try:
             await asyncio.wait_for(asyncio.to_thread(grammars.compile, constraint), grammars.time_limit_s)
         except asyncio.TimeoutError as e:
@@ -303,7 +318,9 @@ class AsyncEngine:
                 if not self._drain_inbox(streams, block=not self.engine.has_work):
                     break
                 if self.engine.has_work:
-                    self._dispatch(self.engine.step(), streams)
+                    handed = self._dispatch(self.engine.step(), streams)
+                    if handed is not None:  # let the callers' loop write this step before computing the next
+                        handed.wait(self.handoff_wait_s)
                 self.stats = self._snapshot(self._inbox.qsize())
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
             self._die(exc, streams)
@@ -342,14 +359,30 @@ class AsyncEngine:
         streams[message.request_id] = message.stream
         message.stream.put(None)
 
-    def _dispatch(self, outputs: list[RequestOutput], streams: dict[str, _Stream]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], streams: dict[str, _Stream]) -> threading.Event | None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one per output.
+
+        Returns an event that the loop sets once it has run the callers those outputs woke (a few
+        passes over its ready queue), or None when nothing was handed over. The engine thread waits
+        for it, briefly: the loop's work (formatting, socket writes) then runs while the compute
+        threads are idle, instead of preempting one of them in the middle of a step, where a spinning
+        thread pool (ggml, OpenMP) stalls at its next barrier until the preempted thread returns.
+        """
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = streams.get(out.request_id)
             if out.finished:
                 streams.pop(out.request_id, None)
                 self.engine.requests.pop(out.request_id, None)  # the engine keeps finished requests
             if stream is not None:
-                stream.put(out)
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        if not by_loop:
+            return None
+        handed = threading.Event()
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_deliver, loop, items, handed)
+        return handed
 
     def _die(self, exc: BaseException, streams: dict[str, _Stream], stopped: bool = False) -> None:
         """Fail every request that is waiting or still in the inbox; refuse new ones."""

@@ -263,6 +263,8 @@ class Engine:
             request.text += request.decoder.push(token)
             if p.stop and self._cut_stop_string(request):
                 return "stop"
+        if request.row.guide is not None and request.row.guide.complete_at(len(request.output)):
+            return "stop"  # the grammar is complete: only EOS could follow
         if len(request.output) >= p.max_tokens or request.num_tokens >= self.max_context:
             return "length"
         return None

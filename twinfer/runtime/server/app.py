@@ -1,7 +1,8 @@
 """`create_app`: the OpenAI-compatible HTTP server over an `AsyncEngine`, one model per app.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (all behind the API key
-when one is set), GET /health, GET /metrics. The app holds no global state: its metrics registry,
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages and
+/v1/messages/count_tokens (Anthropic), GET /v1/models (all behind the API key when one is set),
+POST /tokenize and /detokenize (vLLM's), GET /health, GET /metrics. The app holds no global state: its metrics registry,
 its engine and its drain state live on `app.state.twinfer` (a `ServerState`), so two apps can
 share one process. Outer layers, in order: request counting, the API key, the body-size limit.
 """
@@ -19,11 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twinfer.runtime.engine.async_engine import AsyncEngine
 from twinfer.runtime.engine.params import GuardConfig
-from twinfer.runtime.server import handlers
+from twinfer.runtime.server import anthropic, handlers, responses_api, tokens
 from twinfer.runtime.server.errors import APIError, from_validation
 from twinfer.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from twinfer.runtime.server.middleware import CountRequests, LimitBody, RequireApiKey
 from twinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from twinfer.runtime.server.tokens import DetokenizeRequest, TokenizeRequest
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -129,6 +131,26 @@ def create_app(async_engine: AsyncEngine | None, tokenizer: Any, model_name: str
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await handlers.generation(state, request, body)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: anthropic.MessagesRequest, request: Request) -> Response:
+        return await anthropic.messages(state, request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(body: anthropic.CountTokensRequest) -> dict[str, Any]:
+        return await anthropic.count_tokens(state, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: responses_api.ResponsesRequest, request: Request) -> Response:
+        return await responses_api.create(state, request, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokens.tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await tokens.detokenize(state, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -1,34 +1,36 @@
-"""The generation routes' flow: check, prepare, submit, then answer as one JSON object or as SSE.
+"""The OpenAI generation routes' flow: check, prepare, submit, then answer as one JSON object or as SSE.
 
 Submission happens before any byte of the response is sent, so overload (429), draining (503) and
-engine rejections are ordinary error responses even for `stream: true`. A client that goes away
-aborts its request: the engine frees its KV blocks at once.
+engine rejections (a grammar that does not compile: 400) are ordinary error responses even for
+`stream: true`. A client that goes away aborts its request: the engine frees its KV blocks at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from twinfer.runtime.engine.async_engine import EngineDead, Overloaded, RequestStream, ShuttingDown
+from twinfer.runtime.engine.async_engine import EngineDead
 from twinfer.runtime.errors import RequestError
 from twinfer.runtime.server import prompts
 from twinfer.runtime.server.errors import APIError, error_body
 from twinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported
-from twinfer.runtime.server.responses import DONE, Follower, sse
+from twinfer.runtime.server.responses import DONE, Follower, response, sse, usage_chunk
+from twinfer.runtime.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
+from twinfer.runtime.server.structured import constraint_of
+from twinfer.runtime.tools.plan import ToolPlan, plan_tools
 
 if TYPE_CHECKING:
     from twinfer.runtime.server.app import ServerState
 
 SHUTDOWN_MESSAGE = "the server shut down before this request finished; retry it"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def generation(state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
@@ -39,82 +41,76 @@ async def generation(state: ServerState, request: Request, body: ChatCompletionR
     if problem is not None:
         raise APIError(400, problem[0], param=problem[1], code="unsupported_parameter")
     chat = isinstance(body, ChatCompletionRequest)
-    vocab = engine.vocab_size
+    constraint = constraint_of(body)
+    plan = ToolPlan.none()
+    echo = ""
     if isinstance(body, ChatCompletionRequest):
-        ids = await prompts.chat_prompt(tokenizer, body)
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer, constraint)
+        ids = await prompts.chat_prompt(tokenizer, body, plan)
+        constraint = plan.constraint or constraint
     else:
-        ids = await prompts.completion_prompt(tokenizer, body, vocab)
-    params = prompts.sampling_params(body, len(ids), engine.max_context, vocab, state.guard)
+        ids = await prompts.completion_prompt(tokenizer, body, engine.vocab_size)
+        echo = await asyncio.to_thread(tokenizer.decode, ids, True) if body.echo else ""
+    params = prompts.sampling_params(body, len(ids), engine.max_context, engine.vocab_size, state.guard, constraint)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    stream = await _submit(engine.generate(ids, params, request_id=request_id, priority=body.priority))
-    follower = Follower(request_id, state.model_name, chat, tokenizer, state.metrics, arrival)
+    choices = await submit(engine, ids, params, body.n, request_id, body.priority)
+    followers = [Follower(request_id, state.model_name, chat, tokenizer, state.metrics, arrival, i,
+                          plan.parser(), echo) for i in range(body.n)]
     want_logprobs = params.logprobs is not None
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(state, request, stream, follower, want_logprobs, usage)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    async with _abort_on_disconnect(request, stream):
+        events = _events(request, choices, followers, want_logprobs, usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    await collect(request, choices, followers)
+    return JSONResponse(response(followers, want_logprobs))
+
+
+def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None, tokenizer: Any, constraint: Any) -> ToolPlan:
+    """`plan_tools`, its refusals as 400s naming the field."""
+    try:
+        return plan_tools(tools, tool_choice, parallel, tokenizer, constraint)
+    except RequestError as e:
+        param = "tool_choice" if "tool_choice" in str(e) else "tools"
+        raise APIError(400, str(e), param=param, code="invalid_tools") from e
+
+
+async def collect(request: Request, choices: list[Choice], followers: list[Any]) -> None:
+    """Run every choice to its end, feeding its follower (non-streaming answers)."""
+    async with abort_on_disconnect(request, choices):
         try:
-            async for out in stream:
-                follower.feed(out)
+            async for i, out in merged(choices):
+                followers[i].feed(out)
         except EngineDead as e:
             raise APIError(503, f"the engine failed while generating: {e}", "server_error", code="engine_failed") from e
-    if follower.finish_reason == "abort":
+        finally:
+            await close_all(choices)
+    if any(f.finish_reason == "abort" for f in followers):
         raise APIError(503, SHUTDOWN_MESSAGE, "server_error", code="shutting_down")
-    return JSONResponse(follower.response(want_logprobs))
 
 
-async def _submit(coro: Any) -> RequestStream:
-    """Await `AsyncEngine.generate`, turning its refusals into HTTP answers."""
-    try:
-        return await coro
-    except Overloaded as e:
-        raise APIError(429, str(e), "rate_limit_error", code="overloaded",
-                       headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from e
-    except (ShuttingDown, EngineDead) as e:
-        raise APIError(503, str(e), "server_error", code="unavailable") from e
-    except RequestError as e:
-        raise APIError(400, str(e)) from e
-
-
-async def _events(state: ServerState, request: Request, stream: RequestStream, f: Follower,
-                  want_logprobs: bool, usage: bool) -> AsyncIterator[str]:
-    """The SSE body: a role chunk (chat), one chunk per delta, the finish chunk, usage, [DONE]."""
-    async with _abort_on_disconnect(request, stream):
+async def _events(request: Request, choices: list[Choice], followers: list[Follower], want_logprobs: bool,
+                  usage: bool) -> AsyncIterator[str]:
+    """The SSE body: role chunks (chat) or echoes, one chunk per delta, finish chunks, usage, [DONE]."""
+    async with abort_on_disconnect(request, choices):
         try:
-            if f.chat:
-                yield f.chunk(role=True, text="", include_usage=usage)
-            async for out in stream:
-                f.feed(out)
-                if out.text or out.logprobs:
-                    yield f.chunk(text=out.text, logprobs=out.logprobs, want_logprobs=want_logprobs, include_usage=usage)
+            for f in followers:
+                if f.chat:
+                    yield f.chunk(role=True, include_usage=usage)
+                elif f.echo:
+                    yield f.chunk(text=f.echo, include_usage=usage)
+            async for i, out in merged(choices):
+                f = followers[i]
+                delta = f.feed(out)
+                if delta or out.logprobs:
+                    yield f.chunk(delta, logprobs=out.logprobs, want_logprobs=want_logprobs, include_usage=usage)
                 if out.finished:
                     if f.finish_reason == "abort":
                         yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "shutting_down"))
-                    yield f.chunk(text=None if f.chat else "", finish_reason=f.finish_reason, include_usage=usage)
+                    yield f.chunk(finish_reason=f.finish_reason, include_usage=usage)
             if usage:
-                yield f.usage_chunk()
+                yield usage_chunk(followers)
         except EngineDead as e:
             yield sse(error_body(f"the engine failed while generating: {e}", "server_error", None, "engine_failed"))
         finally:
-            await stream.aclose()
+            await close_all(choices)
         yield DONE
-
-
-@asynccontextmanager
-async def _abort_on_disconnect(request: Request, stream: RequestStream) -> AsyncIterator[None]:
-    """Abort the request (freeing its KV blocks) as soon as the client disconnects."""
-
-    async def watch(receive: Callable[[], Any]) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                await stream.aclose()
-                return
-
-    task = asyncio.create_task(watch(request.receive))
-    try:
-        yield
-    finally:
-        task.cancel()

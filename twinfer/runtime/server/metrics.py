@@ -46,6 +46,29 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("twinfer_preemptions", "requests preempted for KV memory", value=s.preemptions)
         yield CounterMetricFamily("twinfer_engine_steps", "engine steps run", value=s.steps)
         yield from _speculative(s.speculative)
+        yield from _constraints(s.constraints)
+
+
+def _constraints(c: dict[str, float]) -> Iterator[Metric]:
+    """Structured output: constrained requests, grammar compiles and the mask work of the steps."""
+    if not c:
+        return
+    counters = [
+        ("twinfer_constrained_requests", "requests generated under a grammar (JSON schema, regex, tools...)",
+         "constrained_requests"),
+        ("twinfer_grammar_compiles", "grammars compiled (cache misses)", "compiles"),
+        ("twinfer_grammar_compile_failures", "grammars refused: invalid or over the compile time limit",
+         "compile_failures"),
+        ("twinfer_grammar_compile_seconds", "seconds spent compiling grammars", "compile_seconds"),
+        ("twinfer_mask_steps", "engine steps (and draft positions) that computed grammar masks", "mask_steps"),
+        ("twinfer_mask_rows", "rows masked", "mask_rows"),
+        ("twinfer_mask_seconds", "seconds spent computing and applying grammar masks", "mask_seconds"),
+    ]
+    for name, doc, key in counters:
+        yield CounterMetricFamily(name, doc, value=c.get(key, 0))
+    steps = c.get("mask_steps", 0)
+    yield GaugeMetricFamily("twinfer_mask_seconds_per_step", "mean grammar-mask time of a masked step",
+                            value=c.get("mask_seconds", 0) / steps if steps else 0.0)
 
 
 def _speculative(spec: dict[str, Any]) -> Iterator[Metric]:
@@ -83,6 +106,10 @@ class ServerMetrics:
         self.finished = Counter("twinfer_request_finish", "generations finished, by finish reason", ["reason"], registry=r)
         self.prompt_tokens = Counter("twinfer_prompt_tokens", "prompt tokens of finished generations", registry=r)
         self.generation_tokens = Counter("twinfer_generation_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter("twinfer_prompt_cached_tokens",
+                                     "prompt tokens of finished generations served from the prefix cache", registry=r)
+        self.tool_parse_failures = Counter("twinfer_tool_call_parse_failures",
+                                           "tool calls the model wrote malformed (returned as content)", registry=r)
         self.ttft = Histogram("twinfer_time_to_first_token_seconds", "request arrival to first output token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("twinfer_time_per_output_token_seconds", "mean time between output tokens of a request",
@@ -92,13 +119,17 @@ class ServerMetrics:
         r.register(_EngineCollector(engine))
 
     def record_http(self, route: str, status: int) -> None:
-        known = route in ("/v1/chat/completions", "/v1/completions", "/v1/models")
+        known = route in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+                          "/v1/messages/count_tokens", "/v1/responses")
         self.http_requests.labels(route if known else "other", str(status)).inc()
 
     def record_finish(self, reason: str, prompt_tokens: int, completion_tokens: int,
-                      ttft_s: float | None, tpot_s: float | None, latency_s: float) -> None:
+                      ttft_s: float | None, tpot_s: float | None, latency_s: float, cached_tokens: int = 0,
+                      tool_parse_failures: int = 0) -> None:
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.tool_parse_failures.inc(tool_parse_failures)
         self.generation_tokens.inc(completion_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

@@ -55,7 +55,8 @@ class CountRequests:
 
 
 class RequireApiKey:
-    """Every /v1 route needs `Authorization: Bearer <key>`; compared in constant time."""
+    """Every /v1 route needs `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`);
+    compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -63,7 +64,10 @@ class RequireApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
-            given = dict(scope.get("headers", [])).get(b"authorization", b"")
+            headers = dict(scope.get("headers", []))
+            given = headers.get(b"authorization", b"")
+            if b"x-api-key" in headers:  # Anthropic's clients send the key in x-api-key
+                given = b"Bearer " + headers[b"x-api-key"]
             if not hmac.compare_digest(given, self.expected):
                 await send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                                  "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])

@@ -10,28 +10,39 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.engine.params import GuardConfig, SamplingParams
 from twinfer.runtime.errors import ModelError, RequestError
 from twinfer.runtime.server.errors import APIError
-from twinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from twinfer.runtime.server.protocol import CompletionRequest
+from twinfer.runtime.tools.plan import ToolPlan
 
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+MAX_LOGIT_BIAS = 1024
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 
 
-async def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """The messages rendered with the model's chat template, as token ids."""
-    messages = []
-    for m in req.messages:
-        d = m.model_dump(exclude_none=True)
-        if d["role"] == "developer":  # OpenAI's newer name for the system role
-            d["role"] = "system"
-        messages.append(d)
-    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}
+async def chat_prompt(tokenizer: Any, req: Any, plan: ToolPlan | None = None,
+                      messages: list[dict[str, Any]] | None = None) -> list[int]:
+    """The messages (default: the request's) rendered with the model's chat template, as token ids;
+    `plan` adds the tools (to the template, or to the messages in the generic form)."""
+    if messages is None:
+        messages = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            if d["role"] == "developer":  # OpenAI's newer name for the system role
+                d["role"] = "system"
+            messages.append(d)
+    extra = {k: v for k, v in (getattr(req, "chat_template_kwargs", None) or {}).items() if k not in _TEMPLATE_RESERVED}
+    if plan is not None and plan.rewrite is not None:
+        messages = plan.rewrite(messages)
+    if plan is not None and plan.template_tools is not None:
+        extra["tools"] = plan.template_tools
+    add_generation_prompt = getattr(req, "add_generation_prompt", True)
     try:
-        return await asyncio.to_thread(tokenizer.encode_chat, messages, req.add_generation_prompt, **extra)
+        return await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt, **extra)
     except RequestError as e:
         raise APIError(400, str(e), param="messages") from e
     except ModelError as e:
@@ -57,10 +68,26 @@ async def completion_prompt(tokenizer: Any, req: CompletionRequest, vocab_size: 
     return ids
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int, max_context: int,
-                    vocab_size: int, guard: GuardConfig) -> SamplingParams:
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) checked: ids in the vocabulary, biases in [-100, 100]."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not key.strip().isdigit() or not 0 <= int(key) < vocab_size:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias value {value} for token {key} is outside [-100, 100]", param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
+
+
+def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int, guard: GuardConfig,
+                    constraint: Constraint | None = None) -> SamplingParams:
     """SamplingParams for a request whose prompt has `prompt_len` tokens; APIError when it cannot run."""
-    where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    where = "prompt" if isinstance(req, CompletionRequest) else "messages"
     if prompt_len >= max_context:
         raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context window is {max_context}; "
                        "shorten it", param=where, code="context_length_exceeded")
@@ -90,7 +117,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed % 2**64,
             stop=tuple(stop), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-            logprobs=req.num_logprobs, guard=guard,
+            logprobs=req.num_logprobs, guard=guard, logit_bias=logit_bias(req.logit_bias, vocab_size),
+            constraint=constraint,
         )
     except RequestError as e:
         raise APIError(400, str(e)) from e

@@ -1,10 +1,11 @@
 """OpenAI request bodies as pydantic models, with OpenAI's limits.
 
 Types are strict (a string where a number belongs is a 400, as with OpenAI), and unknown fields are
-ignored without error, as vLLM does. Fields OpenAI accepts that twinfer cannot honour (tools,
-logit_bias, a JSON response_format, n > 1, echo, suffix) are rejected with a message that says so,
-rather than silently producing something else. The vendor extras twinfer honours are those of vLLM:
-top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, priority, chat_template_kwargs.
+ignored without error, as vLLM does. Fields OpenAI accepts that twinfer cannot honour (suffix,
+best_of > 1, echo with logprobs) are rejected with a message that says so, rather than silently
+producing something else. The vendor extras twinfer honours are those of vLLM (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, priority, chat_template_kwargs, structured_outputs
+and the guided_* fields) and llama-server's json_schema and grammar.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    # structured output as vLLM and llama-server spell it (server/structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
     # vLLM's extras
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -80,7 +90,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -118,24 +127,16 @@ class CompletionRequest(_Sampling):
 
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
     """(message, param) for a valid OpenAI field value twinfer cannot honour, else None."""
-    if req.n != 1:
-        return "only n=1 is supported; send separate requests for more completions", "n"
-    if req.logit_bias:
-        return "logit_bias is not supported", "logit_bias"
     if req.stream_options is not None and not req.stream:
         return "stream_options is only allowed when stream is true", "stream_options"
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            return "tools (function calling) are not supported by this server yet", "tools"
-        if req.response_format is not None and req.response_format.type != "text":
-            return f"response_format {req.response_format.type!r} is not supported; only 'text'", "response_format"
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs requires logprobs to be true", "top_logprobs"
     else:
-        if req.best_of not in (None, 1):
-            return "only best_of=1 is supported", "best_of"
-        if req.echo:
-            return "echo is not supported", "echo"
+        if req.best_of not in (None, 1, req.n):
+            return "best_of must equal n: twinfer returns every completion it generates", "best_of"
+        if req.echo and req.logprobs is not None:
+            return "echo with logprobs is not supported (prompt logprobs are not computed)", "echo"
         if req.suffix:
             return "suffix (insertion) is not supported", "suffix"
     return None

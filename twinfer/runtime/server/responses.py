@@ -1,7 +1,8 @@
 """OpenAI response objects (chat.completion, text_completion and their stream chunks) from engine outputs.
 
-`Follower` accumulates one request's deltas (text, tokens, logprobs, timings) and records its metrics
-when it finishes; the builders below turn that into the JSON OpenAI clients parse.
+`Follower` accumulates one choice's deltas (text through the output parser: content, reasoning, tool
+calls; tokens, logprobs, timings) and records its metrics when it finishes; `response` and the
+chunk builders turn followers into the JSON OpenAI clients parse.
 """
 
 from __future__ import annotations
@@ -12,24 +13,29 @@ from typing import Any
 
 from twinfer.runtime.engine.request import RequestOutput, TokenLogprob
 from twinfer.runtime.server.metrics import ServerMetrics
+from twinfer.runtime.tools.events import Delta, OutputParser, PlainText, ToolCall
 
 FINGERPRINT = "twinfer"
 
 
 class Follower:
-    """One request's progress as seen by the server."""
+    """One choice of a request as seen by the server."""
 
     def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, metrics: ServerMetrics,
-                 arrival: float):
+                 arrival: float, index: int = 0, parser: OutputParser | None = None, echo: str = ""):
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.arrival = arrival
+        self.index = index
+        self.parser: OutputParser = parser or PlainText()
+        self.echo = echo  # completions' echo: the prompt text, sent before the output
         self.created = int(time.time())
-        self.text: list[str] = []
+        self.out = Delta()
         self.logprobs: list[TokenLogprob] = []
+        self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -37,36 +43,38 @@ class Follower:
         self.first_token: float | None = None
         self.text_offset = 0  # completions logprobs: characters before the next token
 
-    def feed(self, out: RequestOutput) -> None:
+    def feed(self, out: RequestOutput) -> Delta:
+        """Take one engine delta; returns what it adds to the choice (for a stream chunk)."""
         now = time.perf_counter()
         if out.token_ids and self.first_token is None:
             self.first_token = now
-        self.text.append(out.text)
+        self.token_ids += out.token_ids
+        delta = self.parser.feed(out.text)
+        if out.finished:
+            delta.extend(self.parser.finish())
+        self.out.extend(delta)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         if out.finished:
-            self.finish_reason = out.finish_reason or "stop"
-            ttft = None if self.first_token is None else self.first_token - self.arrival
-            tpot = None
-            if self.first_token is not None and self.completion_tokens > 1:
-                tpot = (now - self.first_token) / (self.completion_tokens - 1)
-            self.metrics.record_finish(self.finish_reason, self.prompt_tokens, self.completion_tokens, ttft, tpot,
-                                       now - self.arrival)
+            reason = out.finish_reason or "stop"
+            self.finish_reason = "tool_calls" if self.out.calls and reason == "stop" else reason
+            self._record(now)
+        return delta
 
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+    def _record(self, now: float) -> None:
+        ttft = None if self.first_token is None else self.first_token - self.arrival
+        tpot = None
+        if self.first_token is not None and self.completion_tokens > 1:
+            tpot = (now - self.first_token) / (self.completion_tokens - 1)
+        self.metrics.record_finish(self.finish_reason or "stop", self.prompt_tokens, self.completion_tokens, ttft,
+                                   tpot, now - self.arrival, self.cached_tokens, self.out.failures)
 
     # -- logprobs ------------------------------------------------------------------------------------
     def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return str(self.tokenizer.decode([token]))
 
     def chat_logprobs(self, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if items is None:
@@ -97,39 +105,36 @@ class Follower:
         }
 
     # -- whole responses -----------------------------------------------------------------------------
-    def response(self, want_logprobs: bool) -> dict[str, Any]:
-        text = "".join(self.text)
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": self.chat_logprobs(self.logprobs) if want_logprobs else None,
-                "finish_reason": self.finish_reason,
-            }
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": self.finish_reason,
-                      "logprobs": self.completion_logprobs(self.logprobs) if want_logprobs else None}
-            kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": self.usage()}
+    def choice(self, want_logprobs: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": self.index, "text": self.echo + self.out.content, "finish_reason": self.finish_reason,
+                    "logprobs": self.completion_logprobs(self.logprobs) if want_logprobs else None}
+        message: dict[str, Any] = {"role": "assistant", "content": self.out.content or None, "refusal": None}
+        if self.out.calls:
+            message["tool_calls"] = [tool_call(c) for c in self.out.calls]
+        elif message["content"] is None:
+            message["content"] = ""
+        if self.out.reasoning:
+            message["reasoning_content"] = message["reasoning"] = self.out.reasoning
+        return {"index": self.index, "message": message, "finish_reason": self.finish_reason,
+                "logprobs": self.chat_logprobs(self.logprobs) if want_logprobs else None}
 
     # -- stream chunks -------------------------------------------------------------------------------
-    def chunk(self, *, text: str | None = None, role: bool = False, logprobs: list[TokenLogprob] | None = None,
-              want_logprobs: bool = False, finish_reason: str | None = None, include_usage: bool = False) -> str:
+    def chunk(self, delta: Delta | None = None, *, role: bool = False, logprobs: list[TokenLogprob] | None = None,
+              want_logprobs: bool = False, finish_reason: str | None = None, include_usage: bool = False,
+              text: str | None = None) -> str:
+        """One SSE chunk of this choice (`text`: a completions chunk's raw text)."""
+        lp = logprobs if want_logprobs and logprobs else None
         if self.chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta,
-                                      "logprobs": self.chat_logprobs(logprobs) if want_logprobs and logprobs else None,
-                                      "finish_reason": finish_reason}
+            start = len(self.out.calls) - (len(delta.calls) if delta else 0)  # tool-call indices run per choice
+            choice = {"index": self.index, "delta": _chat_delta(delta, role, start),
+                      "logprobs": self.chat_logprobs(lp) if lp else None, "finish_reason": finish_reason}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason,
-                      "logprobs": self.completion_logprobs(logprobs) if want_logprobs and logprobs else None}
+            choice = {"index": self.index, "text": text if text is not None else (delta.content if delta else ""),
+                      "logprobs": self.completion_logprobs(lp) if lp else None}
+            if finish_reason is not None:  # text_completion requires a reason string: only the last chunk has one
+                choice["finish_reason"] = finish_reason
             kind = "text_completion"
         body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                                 "system_fingerprint": FINGERPRINT, "choices": [choice]}
@@ -137,14 +142,53 @@ class Follower:
             body["usage"] = None
         return sse(body)
 
-    def usage_chunk(self) -> str:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                    "system_fingerprint": FINGERPRINT, "choices": [], "usage": self.usage()})
+
+def _chat_delta(delta: Delta | None, role: bool, start: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if role:
+        out["role"] = "assistant"
+        out["content"] = ""
+    if delta is None:
+        return out
+    if delta.reasoning:
+        out["reasoning_content"] = out["reasoning"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.calls:
+        out["tool_calls"] = [{"index": start + i, **tool_call(c)} for i, c in enumerate(delta.calls)]
+    return out
 
 
-def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+def tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def usage(followers: list[Follower]) -> dict[str, Any]:
+    """Usage of a request: the prompt once, the completion tokens of every choice."""
+    first = followers[0]
+    completion = sum(f.completion_tokens for f in followers)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": max(f.cached_tokens for f in followers)}}
+
+
+def response(followers: list[Follower], want_logprobs: bool) -> dict[str, Any]:
+    first = followers[0]
+    return {"id": first.request_id, "object": "chat.completion" if first.chat else "text_completion",
+            "created": first.created, "model": first.model, "system_fingerprint": FINGERPRINT,
+            "choices": [f.choice(want_logprobs) for f in followers], "usage": usage(followers)}
+
+
+def usage_chunk(followers: list[Follower]) -> str:
+    first = followers[0]
+    return sse({"id": first.request_id, "object": "chat.completion.chunk" if first.chat else "text_completion",
+                "created": first.created, "model": first.model, "system_fingerprint": FINGERPRINT,
+                "choices": [], "usage": usage(followers)})
+
+
+def sse(body: dict[str, Any], event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
 DONE = "data: [DONE]\n\n"

@@ -1,0 +1,110 @@
+"""Tool-call and reasoning parsers on recorded model outputs, fed whole and split at every point.
+
+Each family's parser must give the same content and calls however the text is cut into stream
+deltas (tags straddling deltas included), and a malformed call must come back as content with a
+failure counted, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from twinfer.runtime.tools.events import Delta
+from twinfer.runtime.tools.parsers import parser_for
+from twinfer.runtime.tools.reasoning import ReasoningParser
+
+NAMES = {"get_weather", "search"}
+
+HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "search", "arguments": {"q": "a < b"}}\n</tool_call>')
+LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+LLAMA3_TAG = '<|python_tag|>{"name": "search", "parameters": {"q": "x"}}; {"name": "get_weather", "parameters": {}}'
+MISTRAL = '[TOOL_CALLS] [{"name": "search", "arguments": {"q": "mistral"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+GENERIC = ' {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Lima"}}]}'
+
+
+def run(parser, chunks: list[str]) -> Delta:
+    out = Delta()
+    for c in chunks:
+        out.extend(parser.feed(c))
+    return out.extend(parser.finish())
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text whole, one character at a time, and cut in two at every point."""
+    return [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+
+
+def calls(d: Delta) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in d.calls]
+
+
+CASES = [
+    ("hermes", HERMES, "Let me check.\n\n", [("get_weather", {"city": "Paris", "unit": "c"}), ("search", {"q": "a < b"})]),
+    ("llama3", LLAMA3, "", [("get_weather", {"city": "Oslo"})]),
+    ("llama3", LLAMA3_TAG, "", [("search", {"q": "x"}), ("get_weather", {})]),
+    ("mistral", MISTRAL, "", [("search", {"q": "mistral"}), ("get_weather", {"city": "Rome"})]),
+    ("generic", GENERIC, "", [("get_weather", {"city": "Lima"})]),
+]
+
+
+@pytest.mark.parametrize("family,text,content,expected", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_recorded_calls_parse_however_split(family: str, text: str, content: str, expected: list) -> None:
+    for chunks in splits(text):
+        d = run(parser_for(family, NAMES), chunks)
+        assert calls(d) == expected, chunks
+        assert d.content == content and d.failures == 0, chunks
+        assert len({c.id for c in d.calls}) == len(d.calls)
+
+
+def test_hermes_streams_text_before_the_tag_and_holds_a_partial_tag() -> None:
+    p = parser_for("hermes", NAMES)
+    assert p.feed("Sure, one moment <tool").content == "Sure, one moment "
+    assert p.feed("_ca").content == ""
+    d = p.feed('ll>{"name": "search", "arguments": {}}</tool_call> done')
+    assert calls(d) == [("search", {})] and d.content == " done"
+    assert p.feed(" <to").content == " "
+    assert p.finish().content == "<to"  # never a tag: it was text all along
+
+
+MALFORMED = [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>after'),
+    ("hermes", '<tool_call>{"name": "unknown_fn", "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "search", "arguments": {"q": "cut off'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo"'),
+    ("mistral", '[TOOL_CALLS] [{"name": "search", "arguments": 5}]'),
+    ("generic", '{"tool_calls": "not a list"}'),
+    ("generic", '{"tool_calls": [{"name": "search"'),
+]
+
+
+@pytest.mark.parametrize("family,text", MALFORMED, ids=[f"{m[0]}-{i}" for i, m in enumerate(MALFORMED)])
+def test_malformed_calls_come_back_as_content_and_are_counted(family: str, text: str) -> None:
+    for chunks in ([text], list(text)):
+        d = run(parser_for(family, NAMES), chunks)
+        assert d.calls == [] and d.failures == 1
+        assert d.content == text
+
+
+def test_plain_replies_stream_at_once() -> None:
+    for family in ("llama3", "generic", "mistral"):
+        p = parser_for(family, NAMES)
+        assert p.feed("Hello").content == "Hello"
+        assert p.feed(" {there}").content == " {there}"
+        assert p.finish() == Delta()
+
+
+def test_reasoning_split_from_content_and_calls() -> None:
+    text = '<think>The user wants\nweather.</think>\n\n<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    for chunks in splits(text):
+        d = run(ReasoningParser(parser_for("hermes", NAMES)), chunks)
+        assert d.reasoning == "The user wants\nweather." and calls(d) == [("get_weather", {})], chunks
+        assert d.content == ""
+    d = run(ReasoningParser(parser_for("hermes", NAMES), started=True), ["still thinking", "</think>Answer."])
+    assert (d.reasoning, d.content) == ("still thinking", "Answer.")
+    d = run(ReasoningParser(parser_for("generic", NAMES)), ["No thinking here."])
+    assert (d.reasoning, d.content) == ("", "No thinking here.")
+    d = run(ReasoningParser(parser_for("generic", NAMES)), ["<think>cut off mid-thought"])
+    assert (d.reasoning, d.content) == ("cut off mid-thought", "")

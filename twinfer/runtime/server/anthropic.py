@@ -1,0 +1,273 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) over the same engine path.
+
+A Messages request becomes an OpenAI-style chat (system prompt first, `tool_use` blocks as assistant
+`tool_calls`, `tool_result` blocks as `tool` messages) with the same tool planning, chat template,
+sampling checks and limits as /v1/chat/completions; the answer is rendered as a `message` object or
+Anthropic's event stream (message_start, content_block_start/delta/stop, message_delta,
+message_stop). Errors keep the server's one error body.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from twinfer.runtime.engine.async_engine import EngineDead
+from twinfer.runtime.server import prompts
+from twinfer.runtime.server.errors import APIError
+from twinfer.runtime.server.handlers import SSE_HEADERS, collect, tool_plan
+from twinfer.runtime.server.knobs import Knobs
+from twinfer.runtime.server.responses import Follower, sse
+from twinfer.runtime.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
+from twinfer.runtime.tools.events import Delta, ToolCall
+
+if TYPE_CHECKING:
+    from twinfer.runtime.server.app import ServerState
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "loop": "end_turn"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Body):
+    model: str | None = Field(None, max_length=512)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Body):
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=4096)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+# -- request -> chat --------------------------------------------------------------------------------
+def _text(blocks: Any, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for j, b in enumerate(blocks or []):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise APIError(400, f"{where}[{j}] must be a text block", param=where)
+        parts.append(b["text"])
+    return "\n".join(parts)
+
+
+def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        out += _turn(m, f"messages[{i}].content")
+    return out
+
+
+def _turn(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    texts, calls, results = [], [], []
+    for j, b in enumerate(m.content):
+        kind = b.get("type")
+        if kind == "text" and isinstance(b.get("text"), str):
+            texts.append(b["text"])
+        elif kind == "tool_use" and m.role == "assistant":
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
+        elif kind == "tool_result" and m.role == "user":
+            content = b.get("content", "")
+            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": _text(content, f"{where}[{j}].content")})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise APIError(400, f"{where}[{j}] has type {kind!r}; this server takes text, tool_use (assistant) and "
+                           "tool_result (user) blocks", param=where)
+    turns: list[dict[str, Any]] = list(results)
+    if calls:
+        turns.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
+    elif texts or not results:
+        turns.append({"role": m.role, "content": "\n".join(texts)})
+    return turns
+
+
+def openai_tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+    """Anthropic tools and tool_choice in OpenAI's form."""
+    tools = None
+    if body.tools:
+        tools = []
+        for i, t in enumerate(body.tools):
+            if not isinstance(t.get("name"), str):
+                raise APIError(400, f"tools[{i}] needs a name and an input_schema", param=f"tools[{i}]")
+            fn = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object"})}
+            if isinstance(t.get("description"), str):
+                fn["description"] = t["description"]
+            tools.append({"type": "function", "function": fn})
+    choice: Any = None
+    tc = body.tool_choice or {}
+    kind = tc.get("type")
+    if kind == "any":
+        choice = "required"
+    elif kind == "tool":
+        choice = {"type": "function", "function": {"name": tc.get("name")}}
+    elif kind in ("none", "auto"):
+        choice = kind
+    elif kind is not None:
+        raise APIError(400, f"tool_choice type {kind!r} is unknown; use auto, any, tool or none", param="tool_choice")
+    parallel = None if not tc.get("disable_parallel_tool_use") else False
+    return tools, (choice, parallel)
+
+
+# -- routes -----------------------------------------------------------------------------------------
+async def count_tokens(state: ServerState, body: CountTokensRequest) -> dict[str, Any]:
+    _, tokenizer = state.ready()
+    state.check_model(body.model)
+    tools, (choice, parallel) = openai_tools(body)
+    plan = tool_plan(tools, choice, parallel, tokenizer, None)
+    ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
+    return {"input_tokens": len(ids)}
+
+
+async def messages(state: ServerState, request: Request, body: MessagesRequest) -> Response:
+    arrival = time.perf_counter()
+    engine, tokenizer = state.ready()
+    state.check_model(body.model)
+    tools, (choice, parallel) = openai_tools(body)
+    plan = tool_plan(tools, choice, parallel, tokenizer, None)
+    ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
+    knobs = Knobs(body.max_tokens, body.temperature, body.top_p, body.top_k, list(body.stop_sequences or []))
+    params = prompts.sampling_params(knobs, len(ids), engine.max_context, engine.vocab_size, state.guard,
+                                     plan.constraint)
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    choices = await submit(engine, ids, params, 1, message_id, 0)
+    f = Follower(message_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())
+    if body.stream:
+        return StreamingResponse(_events(request, choices, f, knobs.stop), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    await collect(request, choices, [f])
+    return JSONResponse(message_body(f, _blocks(f.out), knobs.stop))
+
+
+def _blocks(out: Delta) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if out.reasoning:
+        blocks.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+    if out.content or not out.calls:
+        blocks.append({"type": "text", "text": out.content})
+    blocks += [_tool_use(c) for c in out.calls]
+    return blocks
+
+
+def _tool_use(c: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
+            "input": json.loads(c.arguments)}
+
+
+def _stop(f: Follower, stops: list[str]) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence of a finished follower."""
+    reason = STOP_REASONS.get(f.finish_reason or "stop", "end_turn")
+    if reason == "end_turn" and stops:
+        full = f.tokenizer.decode(f.token_ids)
+        tail = full[len(f.out.content):] if full.startswith(f.out.content) else ""
+        hit = next((s for s in stops if tail.startswith(s) or s in tail[:64]), None)
+        if hit is not None:
+            return "stop_sequence", hit
+    return reason, None
+
+
+def message_body(f: Follower, content: list[dict[str, Any]], stops: list[str]) -> dict[str, Any]:
+    reason, sequence = _stop(f, stops) if f.finish_reason else (None, None)
+    return {"id": f.request_id, "type": "message", "role": "assistant", "model": f.model, "content": content,
+            "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens,
+                      "cache_read_input_tokens": f.cached_tokens, "cache_creation_input_tokens": 0}}
+
+
+class _BlockStream:
+    """Anthropic content-block events for one message, from parser deltas."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.open = kind
+        return events + [sse({"type": "content_block_start", "index": self.index, "content_block": block},
+                             "content_block_start")]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
+
+    def feed(self, d: Delta) -> list[str]:
+        events: list[str] = []
+        if d.reasoning:
+            if self.open != "thinking":
+                events += self.start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": d.reasoning}))
+        if d.content:
+            if self.open != "text":
+                events += self.start("text", {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": d.content}))
+        for c in d.calls:
+            block = {**_tool_use(c), "input": {}}
+            events += self.start("tool_use", block)
+            events.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
+        return events
+
+
+async def _events(request: Request, choices: list[Choice], f: Follower, stops: list[str]) -> AsyncIterator[str]:
+    start = message_body(f, [], stops)
+    yield sse({"type": "message_start", "message": {**start, "usage": {"input_tokens": 0, "output_tokens": 0}}},
+              "message_start")
+    blocks = _BlockStream()
+    async with abort_on_disconnect(request, choices):
+        try:
+            async for _, out in merged(choices):
+                for event in blocks.feed(f.feed(out)):
+                    yield event
+            if blocks.index < 0:  # nothing was generated: one empty text block, as Anthropic sends
+                for event in blocks.start("text", {"type": "text", "text": ""}):
+                    yield event
+            for event in blocks.close():
+                yield event
+            reason, sequence = _stop(f, stops)
+            yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                       "usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens}},
+                      "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")
+        except EngineDead as e:
+            yield sse({"type": "error", "error": {"type": "api_error", "message": f"the engine failed: {e}"}}, "error")
+        finally:
+            await close_all(choices)

@@ -1,0 +1,119 @@
+"""Tool-call families: which one a chat template speaks, its call grammar, and the generic form.
+
+The family is read from the template text: `[TOOL_CALLS]` (Mistral), `<tool_call>` (Hermes, Qwen),
+`<|python_tag|>` or Llama 3 headers with tools (Llama 3 JSON); a template that never mentions
+tools gets the generic form (docs/api.md): the tool list goes into the system message and the
+reply is `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+# The JSON inside call grammars: no free whitespace (a small model cannot loop on blanks).
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+GENERIC_INSTRUCTIONS = """You can call these functions (each with a JSON Schema of its arguments):
+{tools}
+To call {how}, reply with only this JSON and nothing else:
+{{"tool_calls": [{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}]}}
+Otherwise, reply normally."""
+
+
+def family_of(template: str) -> str:
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "tools" in template):
+        return "llama3"
+    return "generic"
+
+
+def thinks(template: str) -> bool:
+    """Whether the model reasons in <think> blocks before it answers."""
+    return "<think>" in template or "</think>" in template
+
+
+def _call_schema(fn: dict[str, Any], args_key: str = "arguments") -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: fn["parameters"]},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _any_call(functions: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
+    calls = [_call_schema(f, args_key) for f in functions]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def _json(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
+
+
+def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -> str:
+    """An llguidance grammar (JSON form) admitting only calls of `functions` in `family`'s syntax."""
+    many = "+" if parallel else ""
+    if family == "hermes":
+        lark = f'start: call{many}\ncall: "<tool_call>\\n" {_json(_any_call(functions))} "\\n</tool_call>"\n'
+    elif family == "llama3":
+        lark = f"start: {_json(_any_call(functions, 'parameters'))}\n"
+    else:
+        array = {"type": "array", "items": _any_call(functions), "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        if family == "mistral":
+            lark = f'start: "[TOOL_CALLS]" {_json(array)}\n'
+        else:
+            outer = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
+                     "additionalProperties": False}
+            lark = f"start: {_json(outer)}\n"
+    return json.dumps({"grammars": [{"lark_grammar": lark}]})
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def generic_messages(functions: list[dict[str, Any]], parallel: bool
+                     ) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
+    """The rewrite of a conversation into the generic form (plain system/user/assistant turns)."""
+    how = "one or more functions" if parallel else "a function"
+    system = GENERIC_INSTRUCTIONS.format(tools=json.dumps(functions, ensure_ascii=False), how=how)
+
+    def rewrite(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            m = _plain_turn(m)
+            if out and out[-1]["role"] == m["role"] == "user":
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + m["content"]}
+            else:
+                out.append(m)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": system + "\n\n" + out[0]["content"]}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+        return out
+
+    return rewrite
+
+
+def _plain_turn(m: dict[str, Any]) -> dict[str, Any]:
+    role = m.get("role")
+    if role == "assistant" and m.get("tool_calls"):
+        calls = []
+        for c in m["tool_calls"]:
+            fn = c.get("function", {}) if isinstance(c, dict) else {}
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                with contextlib.suppress(ValueError):  # not JSON: the model sees it as written
+                    args = json.loads(args) if args.strip() else {}
+            calls.append({"name": fn.get("name"), "arguments": args})
+        return {"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
+    if role == "tool":
+        who = f" ({m['name']})" if m.get("name") else ""
+        return {"role": "user", "content": f"Result of the function call{who}: {_text(m.get('content'))}"}
+    return {**m, "content": _text(m.get("content"))}

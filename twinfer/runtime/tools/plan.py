@@ -1,0 +1,118 @@
+"""How one chat request's tools are served: template or generic form, parser, and grammar.
+
+`plan_tools` reads `tools`, `tool_choice` and `parallel_tool_calls`, picks the output family from
+the chat template (`families.family_of`) and returns a `ToolPlan`:
+- `template_tools`: what the template gets as `tools=` (Hugging Face's convention), or None when
+  the generic form is used, in which case `rewrite` puts the tool list and the call format into
+  the system message and turns assistant `tool_calls` and `tool` messages into plain turns;
+- `constraint`: for tool_choice "required" or a named function, a grammar that admits only calls
+  (of that function) whose arguments match its JSON schema;
+- `parser()`: a fresh output parser for each choice (tool calls, and `<think>` reasoning when the
+  template thinks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinfer.runtime.constraints.spec import Constraint
+from twinfer.runtime.errors import RequestError
+from twinfer.runtime.tools.events import OutputParser, PlainText
+from twinfer.runtime.tools.families import call_grammar, family_of, generic_messages, thinks
+from twinfer.runtime.tools.parsers import parser_for
+from twinfer.runtime.tools.reasoning import ReasoningParser
+
+
+@dataclass
+class ToolPlan:
+    family: str | None = None
+    functions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    template_tools: list[dict[str, Any]] | None = None
+    constraint: Constraint | None = None
+    rewrite: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+    reasoning: bool = False
+
+    @classmethod
+    def none(cls) -> ToolPlan:
+        return cls()
+
+    def parser(self) -> OutputParser:
+        inner: OutputParser = PlainText()
+        if self.family is not None:
+            inner = parser_for(self.family, set(self.functions))
+        return ReasoningParser(inner) if self.reasoning else inner
+
+
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+               parallel: bool | None, tokenizer: Any, constraint: Constraint | None) -> ToolPlan:
+    """The plan for a request; RequestError (the server's 400) names what is wrong."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    reasoning = thinks(template)
+    choice = _choice(tool_choice, bool(tools))
+    if not tools or choice == "none":
+        return ToolPlan(reasoning=reasoning)
+    functions = _functions(tools)
+    if isinstance(choice, dict):
+        name = choice["name"]
+        if name not in functions:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not in tools "
+                               f"({', '.join(functions)})")
+        forced = {name: functions[name]}
+    else:
+        forced = functions if choice == "required" else {}
+    if forced and constraint is not None:
+        raise RequestError("tool_choice 'required' or a named function cannot be combined with response_format")
+    family = family_of(template)
+    plan = ToolPlan(family, functions, reasoning=reasoning)
+    if family == "generic":
+        plan.rewrite = generic_messages(list(functions.values()), parallel is not False)
+    else:
+        plan.template_tools = [{"type": "function", "function": f} for f in functions.values()]
+    if forced:
+        plan.constraint = Constraint("llguidance", call_grammar(family, list(forced.values()), parallel is not False))
+    return plan
+
+
+def _choice(tool_choice: str | dict[str, Any] | None, have_tools: bool) -> str | dict[str, Any]:
+    if tool_choice is None:
+        return "auto" if have_tools else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise RequestError(f"tool_choice {tool_choice!r} is unknown; use none, auto, required or "
+                               "{'type': 'function', 'function': {'name': ...}}")
+        if tool_choice != "none" and not have_tools:
+            raise RequestError(f"tool_choice {tool_choice!r} needs tools")
+        return tool_choice
+    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else tool_choice.get("name")
+    if not isinstance(name, str):
+        raise RequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
+    if not have_tools:
+        raise RequestError("tool_choice names a function but the request has no tools")
+    return {"name": name}
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> {"name", "description", "parameters"} of every function tool, checked."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise RequestError(f"tools[{i}].function.name must be a non-empty string of at most 64 characters")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if name in out:
+            raise RequestError(f"tools[{i}]: the function {name!r} is defined twice")
+        entry = {"name": name, "parameters": params}
+        if isinstance(fn.get("description"), str):
+            entry["description"] = fn["description"]
+        out[name] = entry
+    json.dumps(out)  # plain JSON only (the template and the grammar both serialize it)
+    return out

@@ -1,0 +1,58 @@
+"""`<think>...</think>` reasoning split off the reply (DeepSeek-R1, Qwen 3 and their kin).
+
+The reasoning streams as `Delta.reasoning`; what follows `</think>` goes to the inner parser
+(content and tool calls). Templates that open the think block themselves (the prompt ends in
+`<think>`) start inside it: `started=True`.
+"""
+
+from __future__ import annotations
+
+from twinfer.runtime.tools.events import Delta, OutputParser, held_prefix
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class ReasoningParser:
+    def __init__(self, inner: OutputParser, started: bool = False):
+        self.inner = inner
+        self.state = "thinking" if started else "start"  # start -> thinking -> answer
+        self.buf = ""
+        self.lead = False  # just after </think>: the newlines that separate it from the answer are dropped
+
+    def feed(self, text: str) -> Delta:
+        if self.state == "answer":
+            return self._answer(text)
+        self.buf += text
+        out = Delta()
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(OPEN):
+                self.state, self.buf = "thinking", head[len(OPEN) :]
+            elif head and not OPEN.startswith(head):
+                self.state, text, self.buf = "answer", self.buf, ""
+                return self.inner.feed(text)
+            else:
+                return out
+        i = self.buf.find(CLOSE)
+        if i < 0:
+            keep = held_prefix(self.buf, CLOSE)
+            out.reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+            return out
+        out.reasoning = self.buf[:i]
+        rest, self.buf, self.state, self.lead = self.buf[i + len(CLOSE) :], "", "answer", True
+        return out.extend(self._answer(rest))
+
+    def _answer(self, text: str) -> Delta:
+        if self.lead:
+            text = text.lstrip("\n")
+            self.lead = not text
+        return self.inner.feed(text) if text else Delta()
+
+    def finish(self) -> Delta:
+        out = Delta()
+        if self.state == "thinking":
+            out.reasoning = self.buf
+        elif self.state == "start":
+            out.extend(self.inner.feed(self.buf))
+        self.buf = ""
+        return out.extend(self.inner.finish())
