@@ -1,4 +1,4 @@
-"""Engine benchmarks on the default model with the llama.cpp runner (issues 2 and 3).
+"""Engine benchmarks on the default model with the llama.cpp runner: single stream and continuous batching.
 
     python bench/bench_engine.py [--threads 2] [--skip-server] > result.json
 
@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.app import OpenOptions, open_session
+from twinfer.app.bench import bench_prompts, build_info, hardware_info, run_bench
+from twinfer.app.models import open_model
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
-from twinfer.runtime.bench import bench_prompts, build_info, hardware_info, run_bench
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
-from twinfer.runtime.load import open_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, guard=GuardConfig(enabled=False))
 
@@ -87,8 +88,9 @@ def ceiling(opened: Any, prompts: list[list[int]], gen: int) -> float:
 
 
 def concurrency16(threads: int) -> dict[str, Any]:
-    opened = open_model(None, "llamacpp", max_seqs=16, ctx=16 * 160 + 256, threads=threads)
-    report = run_bench(opened, [16], 64, 64, requests_per_client=2)
+    session = open_session(OpenOptions(None, "llamacpp", max_seqs=16, ctx=16 * 160 + 256, threads=threads))
+    opened = session.opened
+    report = run_bench(session, [16], 64, 64, requests_per_client=2)
     prompts = bench_prompts(opened, 16, 64, 0)
     report["ceiling_tok_s"] = max(ceiling(opened, prompts, 64) for _ in range(2))
     report["ratio_to_ceiling"] = report["results"][0]["output_tokens_per_s"] / report["ceiling_tok_s"]

@@ -1,4 +1,4 @@
-"""Batch-1 MoE expert streaming (issue 7): a synthetic qwen3_moe under --memory-budget at a share of its weights.
+"""Batch-1 MoE expert streaming: a synthetic qwen3_moe under --memory-budget at a share of its weights.
 
     python bench/bench_experts.py [--size small|2gb] [--budget-share 0.5] [--steps 8] [--backends torch,mlx]
 
@@ -156,7 +156,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.backend, args.budget, args.steps, not args.no_prefetch)))
         return
-    from twinfer.runtime.bench import hardware_info
+    from twinfer.app.bench import hardware_info
     from twinfer.runtime.synthetic import SyntheticMoE, write_synthetic_moe
 
     shape = SyntheticMoE(**SIZES[args.size])  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""HTTP vs in-process at the same load (issue 4): 16 clients x 8 requests, 64 prompt + 64 output tokens.
+"""HTTP vs in-process at the same load: 16 clients x 8 requests, 64 prompt + 64 output tokens.
 
     python bench/bench_http.py [--threads 2] [--clients 16] [--requests 8]
 
@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_engine import twinfer_server  # noqa: E402
 
-from twinfer.runtime.bench import hardware_info, run_bench  # noqa: E402
-from twinfer.runtime.load import open_model  # noqa: E402
+from twinfer.app import OpenOptions, open_session  # noqa: E402
+from twinfer.app.bench import hardware_info, run_bench  # noqa: E402
 
 
 def main() -> None:
@@ -30,9 +30,9 @@ def main() -> None:
     args = ap.parse_args()
     runs = []
     for _ in range(2):
-        opened = open_model(None, "llamacpp", max_seqs=args.clients, ctx=4096, threads=args.threads)
-        local = run_bench(opened, [args.clients], 64, 64, requests_per_client=args.requests)
-        del opened
+        session = open_session(OpenOptions(None, "llamacpp", max_seqs=args.clients, ctx=4096, threads=args.threads))
+        local = run_bench(session, [args.clients], 64, 64, requests_per_client=args.requests)
+        session.close()
         http = twinfer_server(args.threads, clients=args.clients, requests=args.requests)
         a = local["results"][0]["output_tokens_per_s"]
         b = http["results"][0]["output_tokens_per_s"]

@@ -1,4 +1,4 @@
-"""The planner against `twinfer bench` on this machine (issue 5): predicted vs measured decode tokens/s.
+"""The planner against `twinfer bench` on this machine: predicted vs measured decode tokens/s.
 
     python bench/bench_planner.py [MODEL] [--backends llamacpp,torch] [--concurrency 1,16] [--repeats 3] [--fit A,B]
 

@@ -1,4 +1,4 @@
-"""Quantization fidelity on the default model (issue 6): the tables of docs/quantization.md.
+"""Quantization fidelity on the default model: the tables of docs/quantization.md.
 
     python bench/bench_quant.py [--tokens 1024] [--window 256] [--parts weights,kv,search,interact] > quant.json
 
@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.app.runners import RUNNERS
 from twinfer.quant.fidelity import RunnerSource, corpus_windows, runner_with_options
 from twinfer.quant.kl import KLAccumulator
 from twinfer.quant.kv_format import parse_kv_format
 from twinfer.quant.model_io import quantizable
 from twinfer.quant.registry import FORMATS
 from twinfer.quant.search import FormatSearch, KLProbe, groups_of
-from twinfer.runtime.bench import hardware_info
 from twinfer.runtime.loaders import default_model_path, load_model
 
 CORPORA = ("prose", "code")
@@ -82,10 +82,10 @@ def part_kv(windows: dict[str, list[list[int]]], ctx: int, spec_head_dim: int, k
     for ref_backend, ref_opts, backend, opts in pairs:
         key = ref_backend
         if key not in refs:
-            src = RunnerSource(runner_with_options(ref_backend, ref_opts, None, ctx))
+            src = RunnerSource(runner_with_options(ref_backend, ref_opts, None, ctx, RUNNERS))
             refs[key] = {c: [src.logits(w)[:-1] for w in ws] for c, ws in windows.items()}
             _close(src)
-        src = RunnerSource(runner_with_options(backend, opts, None, ctx))
+        src = RunnerSource(runner_with_options(backend, opts, None, ctx, RUNNERS))
         row: dict[str, Any] = {"reference": f"{ref_backend} {ref_opts.get('kv', 'f32')} KV", "kv": opts["kv"],
                                "backend": backend}
         fmt = parse_kv_format(opts["kv"]) if backend == "torch" else None
@@ -225,7 +225,7 @@ def main() -> None:
     probes: dict[str, KLProbe] = {}
     first = None
     if parts & {"weights"}:
-        first = KLProbe(loaded.spec, loaded.weights, windows[CORPORA[0]])
+        first = KLProbe(loaded.spec, loaded.weights, windows[CORPORA[0]], runners=RUNNERS)
         probes = {CORPORA[0]: first}
         probes.update({c: KLProbe(loaded.spec, loaded.weights, windows[c], share=first) for c in CORPORA[1:]})
         log("reference logits ready")
@@ -244,7 +244,7 @@ def main() -> None:
     if parts & {"search", "interact"}:
         probes = first = None  # type: ignore[assignment]  # free the 1,024-token references
         judge_windows = {c: list(corpus_windows(None, c, args.judge_tokens, args.window)) for c in CORPORA}
-        lead = KLProbe(loaded.spec, loaded.weights, judge_windows[CORPORA[0]])  # owns the runner (longest KV)
+        lead = KLProbe(loaded.spec, loaded.weights, judge_windows[CORPORA[0]], runners=RUNNERS)  # owns the runner (longest KV)
         judges = {CORPORA[0]: lead}
         judges.update({c: KLProbe(loaded.spec, loaded.weights, judge_windows[c], share=lead) for c in CORPORA[1:]})
         sw = list(corpus_windows(None, "prose", args.search_tokens, min(args.window, args.search_tokens)))

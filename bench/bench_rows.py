@@ -1,4 +1,4 @@
-"""What one llama.cpp step costs by rows: the price of verifying k drafted tokens (issue 10).
+"""What one llama.cpp step costs by rows: the price of verifying k drafted tokens.
 
     python bench/bench_rows.py [--threads 2] [--context 300] [--kv-type f16]
 
@@ -14,9 +14,9 @@ import argparse
 import json
 import time
 
+from twinfer.app.bench import hardware_info
 from twinfer.backends.llamacpp.runner import LlamaCppRunner
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
-from twinfer.runtime.bench import hardware_info
 from twinfer.runtime.loaders import default_model_path
 
 

@@ -1,4 +1,4 @@
-"""Speculative decoding on the default model with the llama.cpp runner (issue 10).
+"""Speculative decoding on the default model with the llama.cpp runner.
 
     python bench/bench_spec.py [--threads 2] [--prompts 4] [--prompt-tokens 256] [--output-tokens 128] > spec.json
 
@@ -18,10 +18,10 @@ import statistics
 import sys
 from typing import Any
 
-from twinfer.runtime.bench import bench_prompts, build_info, hardware_info
+from twinfer.app.bench import bench_prompts, build_info, hardware_info
+from twinfer.app.models import OpenedModel, open_model
+from twinfer.app.speculate import open_proposer
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
-from twinfer.runtime.load import OpenedModel, open_model
-from twinfer.runtime.speculative.options import open_proposer
 
 
 def decode_rate(engine: Engine, prompt: list[int], output_tokens: int) -> tuple[float, list[int]]:

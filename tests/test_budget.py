@@ -1,4 +1,4 @@
-"""`--memory-budget` (issue 7): the local strategy is chosen, applied, and its KL measured."""
+"""`--memory-budget`: the local strategy is chosen, applied, and its KL measured."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from twinfer.app.budget import open_with_budget, ops_strategy, parse_budget
 from twinfer.quant.fidelity import RunnerSource, corpus_windows
 from twinfer.quant.kl import KLAccumulator
-from twinfer.runtime.budget import open_with_budget, ops_strategy, parse_budget
 from twinfer.runtime.errors import PlanError
 from twinfer.runtime.loaders import load_model
 from twinfer.runtime.synthetic import SyntheticMoE, write_synthetic_moe
@@ -56,7 +56,7 @@ def _kl(ref: object, cand: object, model: Path, tokens: int = 95) -> tuple[float
 
 def test_default_model_torch_budget_holds_half_precision(default_model: Path) -> None:
     pytest.importorskip("torch")
-    from twinfer.runtime.load import open_model
+    from twinfer.app.models import open_model
 
     opened, strategy = open_with_budget(str(default_model), "torch", "700MB", ctx=256)
     assert strategy.dtype == "bfloat16" and strategy.predicted_bytes <= 700e6
@@ -68,7 +68,7 @@ def test_default_model_torch_budget_holds_half_precision(default_model: Path) ->
 def test_default_model_llamacpp_budget_runs_the_plan(default_model: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("llama_cpp")
-    from twinfer.runtime.load import open_model
+    from twinfer.app.models import open_model
 
     monkeypatch.setenv("TWINFER_CACHE", str(tmp_path))
     stored = default_model.stat().st_size

@@ -117,6 +117,21 @@ def test_shared_prefix_between_concurrent_requests() -> None:
         assert tuple(out.token_ids) == alone(tuple(p))
 
 
+def test_colliding_prefix_keys_never_reuse_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block key collides; the engine still reuses only blocks holding the same tokens at the
+    same place, so greedy text equals a run without the prefix cache."""
+    from twinfer.runtime.kv import block_manager
+
+    monkeypatch.setattr(block_manager, "block_key", lambda parent, tokens: b"one key for every block")
+    x, y, z = [3, 1, 4, 1], [5, 9, 2, 6], [53, 58, 97 % 96, 93]
+    prompts = [x + y + z + [1], y + x + z + [2], x + x + x + [3], x + y + y + [4], z + y + x + [5]]
+    e = engine()
+    outs = [e.generate([p], GREEDY)[0] for p in prompts]
+    cold = engine(enable_prefix_cache=False).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert [o.cached_tokens for o in outs] == [0, 0, 4, 4, 0]  # only x at position 0 is ever reused
+
+
 def test_preempted_and_resumed_equals_undisturbed() -> None:
     prompts = _prompts(11, 6)
     params = SamplingParams(max_tokens=16, temperature=0.0, guard=GuardConfig(enabled=False))

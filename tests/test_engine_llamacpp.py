@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from twinfer.app.models import open_model
 from twinfer.runtime.batch import SeqChunk, StepBatch
 from twinfer.runtime.corpus import corpus_prompts
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
-from twinfer.runtime.load import open_model
 
 CTX = 1024
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, guard=GuardConfig(enabled=False), ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Batch-1 MoE expert streaming (issue 7): the LRU cache, per-expert reads, and streamed == resident."""
+"""Batch-1 MoE expert streaming: the LRU cache, per-expert reads, and streamed == resident."""
 
 from __future__ import annotations
 

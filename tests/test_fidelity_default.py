@@ -1,4 +1,4 @@
-"""Issue 2 acceptance: twinfer's own gemma3 graph on the default GGUF against transformers and llama.cpp.
+"""Fidelity of twinfer's own gemma3 graph on the default GGUF against transformers and llama.cpp.
 
 Both sides score the same 512 tokens of prose and of code, teacher-forced. transformers computes in
 fp32 from the same dequantized weights, so beyond rounding any KL is a bug; llama.cpp quantizes
@@ -12,9 +12,9 @@ from functools import cache
 import numpy as np
 import pytest
 
+from twinfer.app.models import open_model, resolve_path
 from twinfer.quant.fidelity import RunnerSource, TransformersSource, corpus_windows
 from twinfer.quant.kl import KLAccumulator
-from twinfer.runtime.load import open_model, resolve_path
 
 TOKENS = 512
 WINDOW = 256

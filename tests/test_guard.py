@@ -58,7 +58,7 @@ def test_exempt_text() -> None:
 
 @cache
 def _engine() -> Engine:
-    from twinfer.runtime.load import open_model
+    from twinfer.app.models import open_model
 
     opened = open_model(None, "llamacpp", max_seqs=4, ctx=1024)
     return Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=4))

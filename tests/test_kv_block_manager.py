@@ -24,7 +24,7 @@ def _computed(bm: BlockManager, seq_id: int, tokens: list[int]) -> None:
     """Allocate a fresh sequence for all of `tokens` (reusing its cached prefix) and compute it."""
     prefix = bm.match_prefix(tokens)
     bm.allocate(seq_id, prefix, len(tokens), tokens)
-    bm.mark_computed(seq_id, tokens, len(tokens), None)
+    bm.mark_computed(seq_id, tokens, len(tokens))
 
 
 def test_keys_are_chained_sha256_of_parent_and_token_ids() -> None:
@@ -74,7 +74,7 @@ def _content_checked(key_fn, seed: int, monkeypatch: pytest.MonkeyPatch) -> None
             bm.free(live.pop(rng.randrange(len(live))))
         found = bm.match_prefix(tokens)  # freeing may have evicted some of them
         bm.allocate(seq_id, found, len(tokens), tokens)
-        bm.mark_computed(seq_id, tokens, len(tokens), None)
+        bm.mark_computed(seq_id, tokens, len(tokens))
         for i, block_id in enumerate(bm.table(seq_id)[: len(tokens) // BS]):
             if bm.is_registered(block_id):
                 truth.setdefault((block_id, bm.blocks[block_id].generation), tuple(tokens[: (i + 1) * BS]))

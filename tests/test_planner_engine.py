@@ -1,4 +1,4 @@
-"""The planner's weight and KV bytes against what twinfer's runners allocate (issue 5: within 2%).
+"""The planner's weight and KV bytes against what twinfer's runners allocate, within 2%.
 
 The allocations come from the engines, not from the planner's code: the torch runner's weight tensors
 and KV caches; for llama.cpp, `llama_model_size` (its loaded tensors), the KV buffers it logs when it
@@ -23,7 +23,7 @@ from twinfer.planners.plan import make_plan, runner_formats
 from twinfer.planners.search import Request
 from twinfer.planners.source import resolve
 
-TOL = 0.02  # the issue's bound; llama.cpp's log rounds MiB to two decimals, its state adds ~24 B per cell
+TOL = 0.02  # the bound we hold the planner to; llama.cpp's log rounds MiB to two decimals, its state adds ~24 B per cell
 
 
 def planned(model: str | Path, context: int, weights: str, kv: str, cluster: Cluster | None = None) -> dict[str, Any]:

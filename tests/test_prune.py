@@ -1,4 +1,4 @@
-"""Pruning (issue 7): block influence ranks layers, experts by routing mass, and pruned files load and run."""
+"""Pruning: block influence ranks layers, experts by routing mass, and pruned files load and run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from twinfer.app.runners import RUNNERS
 from twinfer.quant.kl import kl_rows
 from twinfer.quant.prune import measure_influence, prune_model, rank_layers_by_kl
 from twinfer.quant.prune_write import write_pruned_gguf, write_pruned_hf
@@ -133,7 +134,8 @@ def test_expert_routing_mass_ranks_experts(tmp_path: Path) -> None:
 
 
 def test_prune_default_model_runs_on_every_backend(tmp_path: Path, default_model: Path) -> None:
-    result = prune_model(str(default_model), str(tmp_path), layers=2, tokens=48, window=48, kl_tokens=47)
+    result = prune_model(str(default_model), str(tmp_path), layers=2, tokens=48, window=48, kl_tokens=47,
+                         runners=RUNNERS)
     assert len(result.removed_layers) == 2 and len(result.kept_layers) == 16
     assert result.kl is not None and 0.0 < result.kl.mean_kl < 5.0
     out = Path(result.out)
@@ -143,5 +145,5 @@ def test_prune_default_model_runs_on_every_backend(tmp_path: Path, default_model
     # llama.cpp must read the per-layer sliding pattern, or its logits drift from twinfer's
     for backend in ("torch", "mlx"):
         pytest.importorskip(backend)
-        same = measure_kl(str(out), "llamacpp", backend, "prose", 47, 48)
+        same = measure_kl(str(out), "llamacpp", backend, "prose", 47, 48, runners=RUNNERS)
         assert same.mean_kl < 0.02 and same.top1_agreement > 0.9, (backend, same)

@@ -1,4 +1,4 @@
-"""DESIGN.md rule 1: the runtime core imports no backend library, and user errors are one line."""
+"""The runtime core imports no backend library, and user errors are one line."""
 
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ import pytest
 pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 
+from twinfer.app.models import OpenedModel, open_model  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
-from twinfer.runtime.load import OpenedModel, open_model  # noqa: E402
 from twinfer.runtime.server import create_app  # noqa: E402
 from twinfer.runtime.server.serve import ServerThread  # noqa: E402
 

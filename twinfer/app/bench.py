@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from twinfer import __version__
+from twinfer.app.models import OpenedModel
+from twinfer.app.session import Session
 from twinfer.runtime.corpus import corpus_text
-from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
+from twinfer.runtime.engine import Engine, GuardConfig, SamplingParams
 from twinfer.runtime.engine.metrics import percentile
 from twinfer.runtime.errors import TwinferError
-from twinfer.runtime.load import OpenedModel
-from twinfer.runtime.speculative.proposer import Proposer
 
 
 def hardware_info() -> dict[str, Any]:
@@ -94,18 +94,18 @@ def run_level(engine: Engine, prompts: list[list[int]], concurrency: int, params
     }
 
 
-def run_bench(opened: OpenedModel, concurrency: list[int], prompt_tokens: int, output_tokens: int,
-              shared_prefix: int = 0, requests_per_client: int = 2, corpus: str = "prose",
-              proposer: Proposer | None = None, speculate: str = "off") -> dict[str, Any]:
-    """Benchmark every concurrency level on one engine (prefix cache warm only across shared prefixes);
-    `proposer` turns speculative decoding on (`speculate` names it in the report)."""
+def run_bench(session: Session, concurrency: list[int], prompt_tokens: int, output_tokens: int,
+              shared_prefix: int = 0, requests_per_client: int = 2, corpus: str = "prose") -> dict[str, Any]:
+    """Benchmark every concurrency level on a fresh engine of the session (prefix cache warm only across
+    shared prefixes); the session's proposer, if any, speculates (its `--speculate` is in the report)."""
     if not concurrency or min(concurrency) < 1 or prompt_tokens < 2 or output_tokens < 1:
         raise TwinferError("need concurrency levels >= 1, --prompt-tokens >= 2 and --output-tokens >= 1")
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True,
                             guard=GuardConfig(enabled=False))
+    opened = session.opened
     results = []
     for c in concurrency:
-        engine = Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=c, max_batch_tokens=512), proposer)
+        engine = session.engine(max_seqs=c, max_batch_tokens=512)
         warm = bench_prompts(opened, 1, prompt_tokens, 0, corpus)
         engine.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         prompts = bench_prompts(opened, c * requests_per_client, prompt_tokens, shared_prefix, corpus)
@@ -116,6 +116,7 @@ def run_bench(opened: OpenedModel, concurrency: list[int], prompt_tokens: int, o
         "build": build_info(opened),
         "traffic": {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                     "shared_prefix": shared_prefix, "requests_per_client": requests_per_client,
-                    "corpus": corpus, "sampling": "greedy, ignore_eos", "speculate": speculate},
+                    "corpus": corpus, "sampling": "greedy, ignore_eos",
+                    "speculate": session.options.speculate},
         "results": results,
     }

@@ -18,13 +18,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from twinfer.app.models import OpenedModel, choose_backend, default_context, ops_runner, resolve_path
 from twinfer.runtime.cache_dir import cache_dir
 from twinfer.runtime.errors import PlanError
 from twinfer.runtime.experts import expert_params, plan_expert_budget
-from twinfer.runtime.load import OpenedModel, choose_backend, resolve_path
 from twinfer.runtime.loaders import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from twinfer.planners.hardware import Cluster
 
 # mix name -> llama.cpp LLAMA_FTYPE_* attribute of the formats the llama.cpp quantizer writes
 _FTYPES = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q6_k": "MOSTLY_Q6_K", "q5_k_m": "MOSTLY_Q5_K_M",
@@ -136,14 +139,14 @@ def _layer_bytes(loaded: LoadedModel, dtype_bytes: int) -> int:
 
 
 # -- llama.cpp ---------------------------------------------------------------------------------------
-def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int, allow_pruning: bool) -> LocalStrategy:
-    """Ask the planner for a llama.cpp plan on a device whose memory is `budget`."""
+def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int, allow_pruning: bool,
+                      hardware: Cluster | None = None) -> LocalStrategy:
+    """Ask the planner for a llama.cpp plan on `hardware` (default: the probed host) with `budget` of memory."""
     from twinfer.planners.plan import make_plan
-    from twinfer.planners.probe import probe_cpu
     from twinfer.planners.search import Request
     from twinfer.planners.source import profile_from_loaded
 
-    cluster = replace(probe_cpu(), memory_budget_bytes=budget)
+    cluster = replace(hardware or _host(), memory_budget_bytes=budget)
     plan = make_plan(profile_from_loaded(loaded), cluster, Request(ctx, max_seqs))
     if not plan.fits or plan.chosen is None:
         raise PlanError(f"nothing fits --memory-budget {budget / 1e6:.0f} MB: {plan.suggestion}")
@@ -164,24 +167,35 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
                          expected_kl=plan.chosen.kl)
 
 
+def _host() -> Cluster:
+    from twinfer.planners.probe import probe_cpu
+
+    return probe_cpu()
+
+
 # -- applying it -------------------------------------------------------------------------------------
-def choose_strategy(model: str | None, backend: str, budget: int, ctx: int, max_seqs: int,
-                    allow_pruning: bool) -> tuple[Path, LoadedModel, LocalStrategy]:
+def choose_strategy(model: str | None, backend: str, budget: int, ctx: int | None, max_seqs: int,
+                    allow_pruning: bool, hardware: Cluster | None = None
+                    ) -> tuple[Path, LoadedModel, LocalStrategy, int]:
+    """The strategy for `model` under `budget`, and the context it was planned for (None: the default)."""
     path = resolve_path(model)
     backend = choose_backend(backend, path)
     loaded = load_model(path)
+    ctx = ctx or default_context(loaded)
     if backend == "llamacpp":
-        return path, loaded, llamacpp_strategy(loaded, budget, ctx, max_seqs, allow_pruning)
-    return path, loaded, ops_strategy(loaded, backend, budget, ctx, max_seqs, allow_pruning)
+        return path, loaded, llamacpp_strategy(loaded, budget, ctx, max_seqs, allow_pruning, hardware), ctx
+    return path, loaded, ops_strategy(loaded, backend, budget, ctx, max_seqs, allow_pruning), ctx
 
 
 def open_with_budget(model: str | None, backend: str, budget_text: str | int, *, allow_pruning: bool = False,
-                     max_seqs: int = 1, ctx: int = 4096, threads: int | None = None) -> tuple[OpenedModel, LocalStrategy]:
-    """Open `model` under `budget_text` (e.g. `12GB`, `800MiB`, bytes); returns the model and the strategy."""
+                     max_seqs: int = 1, ctx: int | None = None, threads: int | None = None,
+                     hardware: Cluster | None = None) -> tuple[OpenedModel, LocalStrategy]:
+    """Open `model` under `budget_text` (e.g. `12GB`, `800MiB`, bytes), planned on `hardware` (default: the
+    probed host) for `ctx` tokens (default: the planner's context); returns the model and the strategy."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
     budget = parse_budget(budget_text)
-    path, loaded, strategy = choose_strategy(model, backend, budget, ctx, max_seqs, allow_pruning)
+    path, loaded, strategy, ctx = choose_strategy(model, backend, budget, ctx, max_seqs, allow_pruning, hardware)
     run_path = path
     if strategy.prune_layers:
         run_path = _pruned(path, strategy.prune_layers, strategy.backend)
@@ -197,11 +211,12 @@ def open_with_budget(model: str | None, backend: str, budget_text: str | int, *,
 
 
 def _pruned(path: Path, layers: int, backend: str) -> Path:
+    from twinfer.app.runners import RUNNERS
     from twinfer.quant.prune import prune_model
 
     measure = "torch" if backend == "llamacpp" else backend
     return Path(prune_model(str(path), str(cache_dir("pruned") / f"{path.stem}-minus{layers}-kl"), layers=layers,
-                            backend=measure, kl_tokens=0, rank="kl").out)
+                            backend=measure, kl_tokens=0, rank="kl", runners=RUNNERS).out)
 
 
 def _runner(s: LocalStrategy, loaded: LoadedModel, path: Path, ctx: int, max_seqs: int, threads: int | None) -> Any:
@@ -212,9 +227,7 @@ def _runner(s: LocalStrategy, loaded: LoadedModel, path: Path, ctx: int, max_seq
                               kv_type=s.kv_type or "f16")  # flash attention is on by default, as quantized KV needs
     if s.expert_cache_bytes is not None:
         return _streaming_runner(s, loaded, ctx, threads)
-    from twinfer.runtime.load import _ops_runner
-
-    return _ops_runner(s.backend, loaded, ctx, threads, s.dtype, None)
+    return ops_runner(s.backend, loaded, ctx, threads, s.dtype, None)
 
 
 def _streaming_runner(s: LocalStrategy, loaded: LoadedModel, ctx: int, threads: int | None) -> Any:

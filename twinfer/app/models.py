@@ -1,7 +1,8 @@
-"""Open a model for generation: pick the backend, build the runner, load the tokenizer.
+"""Open a model's runner: pick the backend, build the runner, load the tokenizer.
 
-Every front end (generate, chat, serve, bench, eval) opens models through `open_model`, so the
-backend choice and its error messages live in one place. Backends are imported here lazily.
+Every runner the application opens goes through `open_model` (the session, the draft model, quant's
+measuring harness through `app.runners`), so the backend choice and its error messages live in one
+place. Backends are imported here lazily.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinfer.runtime.errors import BackendUnavailable, ModelError
-from twinfer.runtime.loaders import LoadedModel, default_model_path, load_model
+from twinfer.runtime.errors import BackendUnavailable
+from twinfer.runtime.loaders import LoadedModel, load_model
+from twinfer.runtime.model_path import resolve_path
 from twinfer.runtime.runner import Runner
 
 BACKENDS = ("auto", "llamacpp", "torch", "mlx")
 _MODULES = {"llamacpp": "llama_cpp", "torch": "torch", "mlx": "mlx"}
+__all__ = ["BACKENDS", "OpenedModel", "available", "choose_backend", "default_context", "open_model", "ops_runner",
+           "resolve_path"]
 _EXTRAS = {"llamacpp": "pip install llama-cpp-python", "torch": "pip install 'twinfer[cuda]'",
            "mlx": "pip install 'twinfer[metal]'"}
 
@@ -46,16 +50,6 @@ class OpenedModel:
         return tuned and bool(getattr(self.tokenizer, "chat_template", None))
 
 
-def resolve_path(model: str | None) -> Path:
-    """The model path a user means: theirs, or the embedded default."""
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelError(f"model path {model!r} does not exist: give a GGUF file or a Hugging Face model folder")
-    return path
-
-
 def available(backend: str) -> bool:
     return importlib.util.find_spec(_MODULES[backend]) is not None
 
@@ -78,11 +72,12 @@ def choose_backend(backend: str, path: Path) -> str:
     return backend
 
 
-def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, ctx: int = 4096,
+def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, ctx: int | None = None,
                threads: int | None = None, dtype: str | None = None, device: str | None = None,
                runner_options: dict[str, Any] | None = None,
                parallel: tuple[int, int, int] | None = None) -> OpenedModel:
-    """Load `model` (None: the default) on `backend` with room for `ctx` KV tokens over `max_seqs` sequences.
+    """Load `model` (None: the default) on `backend` with room for `ctx` KV tokens over `max_seqs` sequences
+    (None: `default_context` of the model).
 
     `runner_options` go to the llama.cpp runner's constructor (e.g. `kv_type`, `unified_kv`).
     `parallel` = (tp, ep, pp) spreads a torch model over that many processes (backends/cuda/parallel)."""
@@ -90,10 +85,11 @@ def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, 
 
     path = resolve_path(model)
     backend = choose_backend(backend, path)
+    loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk until a runner reads them
+    ctx = ctx or default_context(loaded)
     if backend == "llamacpp":
         from twinfer.backends.llamacpp.runner import LlamaCppRunner
 
-        loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk
         runner: Runner = LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec,
                                         **(runner_options or {}))
     elif parallel is not None and parallel != (1, 1, 1):
@@ -101,15 +97,20 @@ def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, 
             raise BackendUnavailable(f"--tp/--ep/--pp run on the torch backend, not {backend}: add --backend torch")
         from twinfer.backends.cuda.parallel.runner import open_parallel
 
-        loaded = load_model(path)
         runner = open_parallel(path, loaded.spec, parallel, ctx=ctx, threads=threads, dtype=dtype, device=device)
     else:
-        loaded = load_model(path)
-        runner = _ops_runner(backend, loaded, ctx, threads, dtype, device)
+        runner = ops_runner(backend, loaded, ctx, threads, dtype, device)
     return OpenedModel(runner, load_tokenizer(path), loaded, path)
 
 
-def _ops_runner(backend: str, loaded: LoadedModel, ctx: int, threads: int | None,
+def default_context(loaded: LoadedModel) -> int:
+    """KV tokens a runner gets when nobody asked: the planner's default context, within the model's window."""
+    from twinfer.planners.search import Request
+
+    return min(Request().context, loaded.spec.max_position)
+
+
+def ops_runner(backend: str, loaded: LoadedModel, ctx: int, threads: int | None,
                 dtype: str | None, device: str | None) -> Runner:
     if backend == "torch":
         from twinfer.backends.cuda.runner import open_torch_runner

@@ -25,6 +25,8 @@ def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, outpu
     from twinfer.runtime.speculative.options import parse_speculate
 
     levels = _levels(concurrency)
+    if prompt_tokens < 2 or output_tokens < 1:
+        raise TwinferError("need --prompt-tokens >= 2 and --output-tokens >= 1")
     if url and parse_speculate(speculate)[0] != "off":
         raise TwinferError("--speculate applies to in-process runs; start the server with `twinfer serve --speculate`")
     if url:
@@ -33,15 +35,13 @@ def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, outpu
         report = run_http_bench(url, levels, prompt_tokens, output_tokens, api_key,
                                 requests_per_client=requests_per_client)
     else:
-        from twinfer.runtime.bench import run_bench
-        from twinfer.runtime.load import open_model
-        from twinfer.runtime.speculative.options import open_proposer
+        from twinfer.app import OpenOptions, open_session
+        from twinfer.app.bench import run_bench
 
         ctx = max(levels) * (prompt_tokens + output_tokens + 32) + 256
-        opened = open_model(model, backend, max_seqs=max(levels), ctx=ctx, threads=threads)
-        proposer = open_proposer(speculate, opened, max_seqs=max(levels), ctx=ctx, threads=threads)
-        report = run_bench(opened, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
-                           proposer, speculate)
+        session = open_session(OpenOptions(model, backend, max_seqs=max(levels), ctx=ctx, threads=threads,
+                                           speculate=speculate))
+        report = run_bench(session, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus)
     if json_out:
         typer.echo(json.dumps(report))
         return

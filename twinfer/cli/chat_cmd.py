@@ -9,7 +9,9 @@ from twinfer.runtime.errors import TwinferError
 
 def run_chat(model: str | None, backend: str, system: str | None, temperature: float, top_p: float,
              max_tokens: int, seed: int | None, ctx: int, threads: int | None, template: bool | None,
-             resume: str | None, data_dir: str | None, budget: tuple[str | None, bool] = (None, False)) -> None:
+             resume: str | None, data_dir: str | None, budget: tuple[str | None, bool] = (None, False),
+             speculate: str = "off") -> None:
+    from twinfer.runtime.speculative.options import parse_speculate
     from twinfer.tui.app import ChatApp, ChatOptions
     from twinfer.tui.backend import LoadOptions
     from twinfer.tui.conversation import DEFAULT_SYSTEM, ConversationStore, Settings
@@ -23,9 +25,10 @@ def run_chat(model: str | None, backend: str, system: str | None, temperature: f
     if resume:
         store.load(resume)  # a bad id is a one-line error before the screen opens
     if budget[0] is not None:
-        from twinfer.runtime.budget import parse_budget
+        from twinfer.app.budget import parse_budget
 
         parse_budget(budget[0])  # a typo fails before the screen opens
-    options = ChatOptions(LoadOptions(model, backend, ctx, threads, template, budget[0], budget[1]),
+    parse_speculate(speculate)  # and so does a typo here
+    options = ChatOptions(LoadOptions(model, backend, ctx, threads, template, budget[0], budget[1], speculate),
                           DEFAULT_SYSTEM if system is None else system, settings, resume)
     ChatApp(options, store=store).run()

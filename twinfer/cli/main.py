@@ -148,12 +148,13 @@ def chat(
              "~/.local/share/twinfer).")] = None,
     memory_budget: MemoryBudgetOpt = None,
     allow_pruning: AllowPruningOpt = False,
+    speculate: SpeculateOpt = "off",
 ) -> None:
     """Chat with a model in a terminal UI (Esc stops a reply, Ctrl+R regenerates, Ctrl+S settings, Ctrl+Q quits)."""
     from twinfer.cli.chat_cmd import run_chat
 
     run_chat(model, backend, system, temperature, top_p, max_tokens, seed, ctx, threads, template, resume, data_dir,
-             budget=(memory_budget, allow_pruning))
+             budget=(memory_budget, allow_pruning), speculate=speculate)
 
 
 @app.command()

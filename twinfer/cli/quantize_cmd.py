@@ -55,6 +55,7 @@ def quantize(model: str | None, out: Path, budget: float, formats: list[str], se
 
     `group_size`: the affine formats' group (default 64; 32 with `gguf` and no search: Q4_1's block,
     as the GGUF stores a scale and bias per 32 weights either way). `gguf`: also write `out`/model.gguf."""
+    from twinfer.app.runners import RUNNERS
     from twinfer.quant.fidelity import corpus_windows
     from twinfer.quant.linear import check_format
     from twinfer.quant.model_io import (
@@ -66,8 +67,8 @@ def quantize(model: str | None, out: Path, budget: float, formats: list[str], se
         write_quantized,
     )
     from twinfer.quant.search import FormatSearch, KLProbe
-    from twinfer.runtime.load import resolve_path
     from twinfer.runtime.loaders import load_model
+    from twinfer.runtime.model_path import resolve_path
 
     try:
         for f in formats:
@@ -92,7 +93,7 @@ def quantize(model: str | None, out: Path, budget: float, formats: list[str], se
     if not names:
         raise TwinferError(f"{source} has no layer projections twinfer can quantize")
     windows = list(corpus_windows(model, corpus, tokens, min(256, tokens)))
-    probe = KLProbe(loaded.spec, loaded.weights, windows)
+    probe = KLProbe(loaded.spec, loaded.weights, windows, runners=RUNNERS)
     if search:
         try:
             result = FormatSearch(probe, formats, granularity, log=log).search(budget)
@@ -155,15 +156,15 @@ def export_folder(folder: Path, gguf_int8: bool) -> dict[str, Any]:
 
 def _measure_folder(folder: Path, source: Path, windows: list[list[int]]) -> dict[str, Any]:
     """KL(source fp32 || folder as loaded, both on torch) on `windows`."""
-    from twinfer.backends.cuda.runner import build_torch_runner, load_torch_runner
+    from twinfer.app.runners import RUNNERS
     from twinfer.quant.fidelity import RunnerSource
     from twinfer.quant.kl import KLAccumulator
     from twinfer.runtime.loaders import load_model
 
     ctx = max(64, -(-max(len(w) for w in windows) // 16) * 16)
-    src = load_model(source)
-    ref = RunnerSource(build_torch_runner(src.spec, src.weights, kv_tokens=ctx))
-    cand = RunnerSource(load_torch_runner(load_model(folder), kv_tokens=ctx))
+    src, quantized = load_model(source), load_model(folder)
+    ref = RunnerSource(RUNNERS.build("torch", src.spec, src.weights, kv_tokens=ctx))
+    cand = RunnerSource(RUNNERS.build("torch", quantized.spec, quantized.weights, kv_tokens=ctx))
     acc = KLAccumulator()
     for w in windows:
         acc.add(ref.logits(w)[:-1], cand.logits(w)[:-1], np.asarray(w[1:]))

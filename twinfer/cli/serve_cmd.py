@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from twinfer.runtime.errors import TwinferError
@@ -23,22 +24,25 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               guard_retries: int = 0, speculate: str = "off",
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
               batch_invariant: bool = False) -> None:
+    from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
     from twinfer.runtime.server.serve import make_server
-    from twinfer.runtime.speculative.options import parse_speculate
 
-    parse_speculate(speculate)  # a typo fails before the port is bound
+    if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0:
+        raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0 and --max-body-mb > 0")
+    options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
+                          parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
+                          batch_invariant=batch_invariant)  # a typo in --speculate fails before the port is bound
     if parallel != (1, 1, 1) and int(os.environ.get("RANK", "0")) > 0:  # a torchrun worker: no HTTP server
-        from twinfer.runtime.load import open_model
+        from twinfer.app.models import open_model
 
         open_model(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, parallel=parallel)
         return
-    if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0:
-        raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0 and --max-body-mb > 0")
     # Leave a core to the HTTP event loop: a compute pool that spins on every core (OpenMP, ggml) stalls
     # at its barriers whenever the loop thread is scheduled, which cut throughput 50x in our tests.
     threads = threads or max(1, (os.cpu_count() or 2) - 1)
+    options = replace(options, threads=threads)
     name = served_model_name or model_name(model)
     aliases = tuple(a for a in (model,) if a and a != name)
     if guard_retries < 0:
@@ -54,26 +58,13 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
 
     def load() -> None:
         try:
-            from twinfer.runtime.engine import Engine, EngineConfig
+            from twinfer.app import open_session
             from twinfer.runtime.engine.async_engine import AsyncEngine
-            from twinfer.runtime.load import open_model
-            from twinfer.runtime.speculative.options import open_proposer
 
-            if budget[0] is not None:  # --memory-budget: the planner's local strategy, summarized on stderr
-                from twinfer.runtime.budget import open_with_budget
-
-                opened, strategy = open_with_budget(model, backend, budget[0], allow_pruning=budget[1],
-                                                    max_seqs=max_seqs, ctx=ctx, threads=threads)
-                print(f"twinfer: {strategy.summary()}", file=sys.stderr)
-            else:
-                # --batch-invariant: per-sequence KV streams on llama.cpp (other runners are invariant as they are)
-                options = {"unified_kv": False} if batch_invariant else None
-                opened = open_model(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, parallel=parallel,
-                                    runner_options=options)
-            proposer = open_proposer(speculate, opened, max_seqs=max_seqs, ctx=ctx, threads=threads)
-            invariant = batch_invariant and not opened.runner.kv.paged
-            engine = Engine(opened.runner, opened.tokenizer,
-                            EngineConfig(max_seqs=max_seqs, max_context=ctx, batch_invariant=invariant), proposer)
+            session = open_session(options)
+            if session.strategy is not None:  # --memory-budget: the planner's local strategy, summarized on stderr
+                print(f"twinfer: {session.strategy.summary()}", file=sys.stderr)
+            opened, engine = session.opened, session.engine()
             async_engine = AsyncEngine(engine, max_queue=max_queue)
             async_engine.start()
             state.names.add(opened.name)

@@ -8,6 +8,9 @@ A backend SPEC may carry options after a colon, comma-separated: `torch:kv=tq4`,
 `mlx:kv=tq2.5,weights=int4`, `torch:kv=tq3-qjl`, `llamacpp:kv=q4_0`. `kv` is a TurboQuant KV format
 on torch/mlx (quant/kv_format.py) or a llama.cpp cache type; `weights` quantizes every layer
 projection to one registry format (torch/mlx). Option runs use float32 on the torch backend.
+
+quant imports no backend: every function that runs a model takes a `RunnerFactory` (the app layer's
+`twinfer.app.runners.RUNNERS`) and gets its runners from it.
 """
 
 from __future__ import annotations
@@ -22,10 +25,25 @@ from twinfer.quant.kl import KLAccumulator, KLReport
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.corpus import corpus_text
 from twinfer.runtime.errors import TwinferError
-from twinfer.runtime.load import open_model, resolve_path
+from twinfer.runtime.model_path import resolve_path
 from twinfer.runtime.runner import Runner
+from twinfer.runtime.spec import ModelSpec
 
 RUNNER_SPECS = ("llamacpp", "torch", "mlx")
+
+
+class RunnerFactory(Protocol):
+    """Where quant's measuring harness gets runners; the app layer implements it (`app.runners.RUNNERS`).
+
+    `open` runs a model file (None: the default model) on a backend, with llama.cpp runner options
+    such as `kv_type`; `build` runs weights held in memory (quantized views included) on torch or
+    MLX. Both raise `TwinferError` for a backend or option they cannot honour.
+    """
+
+    def open(self, model: str | None, backend: str, *, max_seqs: int, ctx: int, **options: Any) -> Runner: ...
+
+    def build(self, backend: str, spec: ModelSpec, weights: Any, *, kv_tokens: int,
+              kv_format: str | None = None) -> Runner: ...
 
 
 class LogitSource(Protocol):
@@ -74,16 +92,16 @@ class TransformersSource:
         return out.float().numpy()
 
 
-def open_source(spec: str, model: str | None, window: int) -> LogitSource:
+def open_source(spec: str, model: str | None, window: int, runners: RunnerFactory) -> LogitSource:
     if spec == "transformers":
         return TransformersSource(resolve_path(model))
     if spec in RUNNER_SPECS:
-        return RunnerSource(open_model(model, spec, max_seqs=2, ctx=_ctx_for(window)).runner)
+        return RunnerSource(runners.open(model, spec, max_seqs=2, ctx=_ctx_for(window)))
     path = Path(spec).expanduser()
     if path.exists():
-        return RunnerSource(open_model(str(path), "auto", max_seqs=2, ctx=_ctx_for(window)).runner)
+        return RunnerSource(runners.open(str(path), "auto", max_seqs=2, ctx=_ctx_for(window)))
     backend, options = parse_spec(spec)
-    return RunnerSource(runner_with_options(backend, options, model, _ctx_for(window)))
+    return RunnerSource(runner_with_options(backend, options, model, _ctx_for(window), runners))
 
 
 SPEC_OPTIONS = {"llamacpp": ("kv",), "torch": ("kv", "weights"), "mlx": ("kv", "weights")}
@@ -108,19 +126,18 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return backend, options
 
 
-def runner_with_options(backend: str, options: dict[str, str], model: str | None, ctx: int) -> Runner:
+def runner_with_options(backend: str, options: dict[str, str], model: str | None, ctx: int,
+                        runners: RunnerFactory) -> Runner:
     """A runner of `model` on `backend` with a quantized KV cache and/or uniformly quantized weights."""
     from twinfer.runtime.loaders import load_model
 
-    path = resolve_path(model)
-    loaded = load_model(path)
     if backend == "llamacpp":
-        from twinfer.backends.llamacpp.runner import KV_TYPES, LlamaCppRunner
-
         kv_type = options.get("kv", "f16")
-        if kv_type not in KV_TYPES:
-            raise TwinferError(f"llamacpp:kv={kv_type}: llama.cpp cache types are {', '.join(KV_TYPES)}")
-        return LlamaCppRunner(path, n_ctx=ctx, max_seqs=2, spec=loaded.spec, kv_type=kv_type)
+        try:
+            return runners.open(model, "llamacpp", max_seqs=2, ctx=ctx, kv_type=kv_type)
+        except ValueError as e:  # the runner names the cache types it accepts
+            raise TwinferError(f"llamacpp:kv={kv_type}: {e}") from e
+    loaded = load_model(resolve_path(model))
     from twinfer.quant.kv_format import parse_kv_format
     from twinfer.quant.model_io import QuantizedView, quantizable
 
@@ -133,13 +150,7 @@ def runner_with_options(backend: str, options: dict[str, str], model: str | None
             weights = QuantizedView(weights, dict.fromkeys(quantizable(weights), fmt))
     except ValueError as e:
         raise TwinferError(f"{backend} SPEC options {options}: {e}") from e
-    if backend == "torch":
-        from twinfer.backends.cuda.runner import build_torch_runner
-
-        return build_torch_runner(loaded.spec, weights, kv_tokens=ctx, kv_format=kv)
-    from twinfer.backends.metal.runner import build_mlx_runner
-
-    return build_mlx_runner(loaded.spec, weights, kv_tokens=ctx, kv_format=kv)
+    return runners.build(backend, loaded.spec, weights, kv_tokens=ctx, kv_format=kv)
 
 
 def _ctx_for(window: int) -> int:
@@ -163,13 +174,13 @@ def corpus_windows(model: str | None, corpus: str, tokens: int, window: int) -> 
 
 
 def measure_kl(model: str | None, reference: str, candidate: str, corpus: str, tokens: int,
-               window: int = 256) -> KLReport:
+               window: int = 256, *, runners: RunnerFactory) -> KLReport:
     """KL(reference || candidate) over `tokens` corpus tokens, scored in teacher-forced windows.
 
     Each scored row is a position whose next token is in the window (the last row is not scored).
     """
     windows = list(corpus_windows(model, corpus, tokens, window))
-    ref, cand = open_source(reference, model, window), open_source(candidate, model, window)
+    ref, cand = open_source(reference, model, window, runners), open_source(candidate, model, window, runners)
     acc = KLAccumulator()
     for tokens_w in windows:
         if len(tokens_w) > 1:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.errors import TwinferError
 from twinfer.runtime.runner import OpsRunner, Runner
 from twinfer.runtime.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.quant.fidelity import RunnerFactory
 
 
 @dataclass
@@ -295,14 +298,14 @@ RANKS = ("kl", "influence")
 
 def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, corpus: str = "prose",
                 tokens: int = 512, window: int = 256, backend: str = "torch", kl_tokens: int = 512,
-                kl_reference: str | None = None, rank: str = "kl") -> PruneResult:
+                kl_reference: str | None = None, rank: str = "kl", *, runners: RunnerFactory) -> PruneResult:
     """Rank layers on the corpus (`rank`: greedy KL or block influence), remove `layers` blocks and
     `experts` experts per MoE layer (least routing mass), write the model next to `out`, and report
-    KL(original || pruned) on `kl_tokens` tokens (0: skip)."""
+    KL(original || pruned) on `kl_tokens` tokens (0: skip). `runners` opens the model to rank it."""
     from twinfer.quant.fidelity import corpus_windows, measure_kl
     from twinfer.quant.prune_write import write_pruned_gguf, write_pruned_hf
-    from twinfer.runtime.load import open_model, resolve_path
     from twinfer.runtime.loaders import load_model
+    from twinfer.runtime.model_path import resolve_path
 
     if rank not in RANKS:
         raise TwinferError(f"unknown --rank {rank!r}: use one of {', '.join(RANKS)}")
@@ -322,7 +325,7 @@ def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, 
         raise TwinferError(f"cannot remove {experts} of {spec.moe.num_experts} experts: keep at least top_k="
                            f"{spec.moe.top_k}")
     windows = list(corpus_windows(model, corpus, tokens, window))
-    runner = open_model(model, backend, max_seqs=2, ctx=max(256, window + 16)).runner
+    runner = runners.open(model, backend, max_seqs=2, ctx=max(256, window + 16))
     influence = measure_influence(runner, windows)
     ranking = rank_layers_by_kl(runner, windows, layers) if rank == "kl" and layers else None
     del runner
@@ -338,7 +341,7 @@ def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, 
     report = None
     if kl_tokens > 0:
         ref = kl_reference or ("llamacpp" if loaded.format == "gguf" else backend)
-        report = measure_kl(model, ref, str(dest), corpus, kl_tokens, window)
+        report = measure_kl(model, ref, str(dest), corpus, kl_tokens, window, runners=runners)
     return PruneResult(str(src), str(dest), tuple(removed), tuple(keep), experts,
                        tuple(float(v) for v in influence.layers), influence.tokens, report,
                        rank, ranking.kl if ranking is not None else ())

@@ -7,7 +7,7 @@ per channel set), one FP32 global scale per tensor (negligible, not counted).
 
 "Native" means the hardware's tensor cores consume the format directly, so compression costs no
 kernel time. Everything else pays a dequantization loop inside the matmul: worth it where memory
-bandwidth is the bottleneck (laptops), pure overhead where it is not (see DESIGN.md).
+bandwidth is the bottleneck (laptops), pure overhead where it is not (docs/architecture.md, the planner).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@
    allocation as a whole, then try the moves the additive model ranks best (raise one group a format,
    lower another, staying in budget) and keep a move only when the *measured* KL drops.
 
-`KLProbe` does the measuring on the torch backend in float32: reference logits once, then each
-assignment by swapping dequantized weights into one runner (the quantized kernels compute the same
-products; tests/test_quant_backends.py checks that).
+`KLProbe` does the measuring on the torch backend in float32, on a runner from the `RunnerFactory`
+it is handed: reference logits once, then each assignment by swapping dequantized weights into one
+runner (the quantized kernels compute the same products; tests/test_quant_backends.py checks that).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from twinfer.quant.kl import KLAccumulator
 from twinfer.quant.linear import QuantizedWeight, supports
 from twinfer.quant.model_io import kind_of, layer_of, quantizable
 from twinfer.quant.registry import FORMATS
+
+if TYPE_CHECKING:
+    from twinfer.quant.fidelity import RunnerFactory
 
 Assignment = dict[str, str]
 
@@ -42,12 +45,11 @@ class KLProbe:
     """Measures KL(unquantized || assignment) on fixed token windows with one torch runner."""
 
     def __init__(self, spec: Any, weights: Any, windows: Sequence[list[int]], seed: int = 0,
-                 share: KLProbe | None = None) -> None:
-        """`share`: another probe of the same model whose runner and weight cache this one reuses
-        (its KV cache must hold the longest window)."""
+                 share: KLProbe | None = None, *, runners: RunnerFactory | None = None) -> None:
+        """`runners` builds the torch runner; `share`: another probe of the same model whose runner and
+        weight cache this one reuses instead (its KV cache must hold the longest window)."""
         import torch
 
-        from twinfer.backends.cuda.runner import build_torch_runner
         from twinfer.quant.fidelity import RunnerSource
 
         self._torch = torch
@@ -55,9 +57,12 @@ class KLProbe:
         self.seed = seed
         self.windows = [w for w in windows if len(w) > 1]
         if share is None:
+            if runners is None:
+                raise ValueError("KLProbe needs `runners` (a RunnerFactory) or a probe to `share`")
             longest = max(len(w) for w in self.windows)
-            self.runner = build_torch_runner(spec, weights, kv_tokens=max(64, -(-longest // 16) * 16))
-            self.original = {n: self.runner.weights[n] for n in quantizable(weights)}
+            runner: Any = runners.build("torch", spec, weights, kv_tokens=max(64, -(-longest // 16) * 16))
+            self.runner = runner  # a torch OpsRunner: its `weights` dict is what `measure` swaps
+            self.original = {n: runner.weights[n] for n in quantizable(weights)}
             self._dense: dict[tuple[str, str], Any] = {}
         else:
             self.runner, self.original, self._dense = share.runner, share.original, share._dense

@@ -44,9 +44,14 @@ class SeqChunk:
 
 @dataclass
 class StepBatch:
-    """All chunks of one step. Logit rows come back in chunk order, then position order."""
+    """All chunks of one step. Logit rows come back in chunk order, then position order.
+
+    `exact`: the engine runs batch-invariant and built this step in the runner's `ExactShapes`; a
+    runner that needs more (padding a lone row, say) does it inside `step`.
+    """
 
     chunks: list[SeqChunk]
+    exact: bool = False
 
     @property
     def num_tokens(self) -> int:

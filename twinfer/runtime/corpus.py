@@ -1,4 +1,4 @@
-"""The two test corpora every machine has (DESIGN.md): Python stdlib code and pydoc prose.
+"""The two test corpora every machine has: Python stdlib code and pydoc prose.
 
 Both are deterministic for a given Python version, so KL and bench numbers are comparable across
 runs on one machine.

@@ -2,18 +2,27 @@
 
 Two kinds implement it: `OpsRunner` (an architecture from runtime/models over a backend's Ops) and
 whole-model runners such as llama.cpp's. The engine owns scheduling and KV accounting; a runner
-only computes.
+only computes, and declares what it needs from the scheduler:
+
+- `kv` (`KVLayout`): how many blocks of how many positions, how many sequences at once, and the
+  cells one sequence may hold when each has its own;
+- `exact_shapes()`: the step shapes that keep its logits independent of batching, for the engine's
+  batch-invariant mode (None: every shape does);
+- `kv_sync(...)`: how its KV storage follows the block accounting (a `KVSync`; paged runners need
+  nothing, a runner that stores KV per sequence copies prefixes and keeps finished ones).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from twinfer.runtime.batch import StepBatch
+from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.spec import ModelSpec
 
@@ -23,10 +32,10 @@ class KVLayout:
     """How a runner's KV cache is addressed.
 
     Paged runners hold `num_blocks` blocks of `block_size` positions each and read the chunks'
-    block tables. Sequence-slot runners (llama.cpp) keep KV per `seq_id` below `max_seqs`, with at
-    most `num_blocks * block_size` cells in total; they ignore block tables. `seq_tokens` caps one
-    sequence when the runner gives each sequence its own cells (llama.cpp without a unified cache);
-    such runners cannot share cells between sequences, so the engine turns prefix reuse off.
+    block tables. Sequence-slot runners keep KV per `seq_id`, at most `max_seqs` sequences at once,
+    with at most `num_blocks * block_size` cells in total; they ignore block tables. `seq_tokens`
+    caps one sequence when the runner gives each sequence its own cells; such runners cannot share
+    cells between sequences, so the engine turns prefix reuse off.
     """
 
     block_size: int
@@ -45,11 +54,63 @@ class KVLayout:
         return self.capacity_tokens if self.seq_tokens is None else min(self.seq_tokens, self.capacity_tokens)
 
 
+@dataclass(frozen=True)
+class ExactShapes:
+    """Step shapes under which a runner gives every row the logits it would get alone.
+
+    A runner whose kernels are not batch-invariant declares them; in batch-invariant mode the
+    scheduler then builds only such steps: each prompt chunk alone, at fixed chunk boundaries (so
+    no prefix reuse); at most `decode_rows` one-token rows per step; drafted tokens verified only
+    while one request runs. `reserved_seqs` of the layout's `max_seqs` stay with the runner (it may
+    pad a lone row with a sequence of its own when `StepBatch.exact` is set).
+    """
+
+    decode_rows: int
+    reserved_seqs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.decode_rows < 1 or self.reserved_seqs < 0:
+            raise ValueError("exact shapes need at least one decode row and no negative reservation")
+
+
+class KVSync:
+    """Keeps a runner's KV storage in step with the engine's block accounting.
+
+    Made by `Runner.kv_sync` for one engine and called by that engine, from its one thread, at fixed
+    points of every step. Paged runners read the block tables the engine hands them, so this base
+    does nothing and every cached block may be reused. A runner that stores KV per sequence returns
+    its own: it shares a cached prefix by copying it from a sequence that still holds it, and keeps
+    finished sequences' cached blocks for reuse while it has room. Evicting nothing is always safe.
+    """
+
+    def reusable(self, block_ids: list[int]) -> int:
+        """How many leading blocks of a matched cached prefix a new sequence may start from."""
+        return len(block_ids)
+
+    def begin_step(self, preempted: list[int], admitted: list[tuple[int, int]]) -> None:  # noqa: B027 - optional hook
+        """Before the batch is built: `preempted` sequences lost their blocks; each admitted
+        `(seq_id, prefix_blocks)` starts from that many cached blocks (its table's first ones)."""
+
+    def computed(self, seq_id: int, num_computed: int) -> None:  # noqa: B027 - optional hook
+        """The sequence's first `num_computed` positions are now in the runner's KV."""
+
+    def finished(self, seq_id: int, table: list[int]) -> None:  # noqa: B027 - optional hook
+        """The sequence ended and the block manager freed `table` (its registered blocks stay cached)."""
+
+    def dropped(self, seq_id: int) -> None:  # noqa: B027 - optional hook
+        """The sequence's KV is void (a retry recomputes it from position 0)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """The engine closes: give back every sequence kept for reuse."""
+
+
 class Runner(ABC):
     """Computes logits for a StepBatch. Called by the engine from one thread, one step at a time.
 
     Contract: rows come back in `batch.logit_token_index()` order as float32 [rows, vocab]; the KV
     of every chunk's tokens is stored before `step` returns, so the next step may continue them.
+    A chunk may start before the positions the runner holds for its sequence (a rolled-back draft):
+    positions from `start` on are overwritten.
     """
 
     spec: ModelSpec
@@ -63,11 +124,14 @@ class Runner(ABC):
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget a finished or preempted sequence's KV (paged runners: nothing to do)."""
 
-    def truncate(self, seq_id: int, length: int) -> None:  # noqa: B027 - optional hook
-        """Keep only the first `length` KV positions of a sequence (sequence-slot runners only)."""
+    def exact_shapes(self) -> ExactShapes | None:
+        """The step shapes that keep this runner batch-invariant; None when every shape does."""
+        return None
 
-    def copy_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:  # noqa: B027 - optional hook
-        """Share the first `num_tokens` KV positions of src with dst (sequence-slot runners only)."""
+    def kv_sync(self, blocks: BlockManager, slots: int, running: Callable[[], int]) -> KVSync:
+        """The KVSync for one engine: `blocks` is its accounting, `slots` the sequences it may hold
+        at once (running and kept), `running()` how many run now. Paged runners need nothing."""
+        return KVSync()
 
     def describe(self) -> dict[str, Any]:
         """Facts for bench and status displays: backend, device, dtype, versions."""

@@ -14,10 +14,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twinfer.runtime.engine import RequestOutput, SamplingParams
 from twinfer.runtime.errors import PlanError, TwinferError
+
+if TYPE_CHECKING:
+    from twinfer.app import Session
 
 Progress = Callable[[int, int, str], None]  # (step, total steps, what is happening)
 
@@ -67,15 +70,15 @@ class ChatBackend(Protocol):
 
 
 class EngineBackend:
-    """A model opened by `open_model`, served by an `AsyncEngine`."""
+    """A model opened by the app layer (`app.open_session`), served by an `AsyncEngine`."""
 
-    def __init__(self, opened: Any, info: ModelInfo, max_seqs: int = 2):
-        from twinfer.runtime.engine import Engine, EngineConfig
+    def __init__(self, session: Session, info: ModelInfo):
         from twinfer.runtime.engine.async_engine import AsyncEngine
 
-        self.opened = opened
-        self.tokenizer = opened.tokenizer
-        engine = Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=max_seqs, max_context=info.window))
+        self.session = session
+        self.opened = session.opened
+        self.tokenizer = self.opened.tokenizer
+        engine = session.engine(max_context=info.window)
         self.engine = AsyncEngine(engine, max_queue=4, name="twinfer-chat-engine")
         self.info = ModelInfo(info.name, info.path, info.backend, engine.max_context, info.prompt_format,
                               info.plan, info.plan_error)
@@ -96,9 +99,7 @@ class EngineBackend:
 
     async def close(self) -> None:
         await self.engine.shutdown(drain=False)
-        close = getattr(self.opened.runner, "close", None)
-        if close is not None:
-            close()
+        self.session.close()
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,16 @@ class LoadOptions:
     ctx: int = 4096
     threads: int | None = None
     template: bool | None = None  # None: the template for chat-tuned models, a transcript for base models
-    memory_budget: str | None = None  # --memory-budget: open through runtime.budget's local strategy
+    memory_budget: str | None = None  # --memory-budget: open through the app layer's local strategy
     allow_pruning: bool = False
+    speculate: str = "off"  # --speculate: off, ngram, draft:PATH or self:N
+    parallel: tuple[int, int, int] = (1, 1, 1)  # --tp/--ep/--pp on the torch backend
 
 
 def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
     """Resolve, plan, load and start the model (blocking; run it on a worker thread)."""
-    from twinfer.runtime.load import choose_backend, open_model, resolve_path
+    from twinfer.app import OpenOptions, open_session
+    from twinfer.app.models import choose_backend, resolve_path
 
     total = 4
     progress(0, total, "finding the model")
@@ -133,13 +137,10 @@ def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
                         f"{plan.suggestion or 'try a smaller quantization or a lower --ctx'} "
                         f"(`twinfer plan {path}` explains)")
     progress(2, total, f"loading {path.name} on {backend} (the first run also converts the tokenizer)")
-    if options.memory_budget is not None:
-        from twinfer.runtime.budget import open_with_budget
-
-        opened, _ = open_with_budget(str(path), backend, options.memory_budget, allow_pruning=options.allow_pruning,
-                                     max_seqs=2, ctx=options.ctx, threads=options.threads)
-    else:
-        opened = open_model(str(path), backend, max_seqs=2, ctx=options.ctx, threads=options.threads)
+    session = open_session(OpenOptions(str(path), backend, max_seqs=2, ctx=options.ctx, threads=options.threads,
+                                       speculate=options.speculate, parallel=options.parallel,
+                                       memory_budget=options.memory_budget, allow_pruning=options.allow_pruning))
+    opened = session.opened
     progress(3, total, "starting the engine")
     instruct = bool(getattr(opened, "instruct", False))
     use_template = instruct if options.template is None else options.template
@@ -147,7 +148,7 @@ def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
         use_template = False
     info = ModelInfo(opened.name, str(path), _describe(opened.runner), options.ctx,
                      "template" if use_template else "transcript", plan, plan_error)
-    backend_obj = EngineBackend(opened, info)
+    backend_obj = EngineBackend(session, info)
     progress(4, total, "ready")
     return backend_obj
 

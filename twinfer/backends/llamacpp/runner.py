@@ -10,6 +10,7 @@ serving: a sequence's cells then lie exactly where they would if it ran alone).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,15 +20,20 @@ import numpy as np
 from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
 from twinfer.backends.llamacpp._lib import MemoryOps, load_llama_cpp, set_quiet, versions
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
-from twinfer.runtime.batch import SeqChunk, StepBatch
+from twinfer.backends.llamacpp.slots import SlotKVSync
+from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.errors import ModelError
-from twinfer.runtime.runner import KVLayout, Runner
+from twinfer.runtime.kv.block_manager import BlockManager
+from twinfer.runtime.runner import ExactShapes, KVLayout, KVSync, Runner
 from twinfer.runtime.spec import ModelSpec
 
 # Accounting granularity only: llama.cpp allocates KV per token, the engine counts blocks of this size.
 BLOCK_SIZE = 16
 # KV-cache element types (ggml_type ids) the runner accepts; the planner names formats the same way.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+# Exact steps hold at most this many one-token rows: 8+ take another matmul path (see LlamaCppRunner).
+EXACT_DECODE_ROWS = 7
+_PAD_SEQ = -1  # the runner's own sequence that pads a lone row in exact steps
 
 
 class DecodeError(RuntimeError):
@@ -110,6 +116,17 @@ class LlamaCppRunner(Runner):
     cells lie; with 8+ rows, or next to a multi-token chunk, they may move by up to ~1 logit
     (KL ~1e-2), as does a prefill whose chunking changes. Flash attention off makes holes between a
     sequence's KV cells matter; `repack=True` (llama.cpp's default) makes a row's position mod 4 matter.
+    A lone query row is different again once its sequence uses more than 256 cells: llama.cpp pads
+    the KV view to a multiple of 256 cells (`llama_kv_cache::get_n_kv`), and ggml's CPU flash
+    attention splits one row's KV over threads from 512 cells in view (`use_split_kv_path` in
+    ggml-cpu/ops.cpp), summing in another order than any multi-row step.
+
+    Hence `exact_shapes()`: prompt chunks alone at fixed boundaries, at most 7 one-token rows, and
+    in an exact step (`StepBatch.exact`) a lone row padded with a token of the runner's own reserved
+    sequence. Drafts are verified only while one request runs: rolling back a rejected draft frees
+    cells that another sequence's next token may take, leaving cells out of position order, and
+    llama.cpp's attention sums a sequence's cells in cell order. `kv_sync` (slots.py) keeps these
+    per-sequence slots in step with the engine's blocks.
 
     `kv_type` is the cache's element type for K and V (a plan's `kv_format`); quantized types need
     flash attention. Sliding-window layers keep their full history (`swa_full`), so every layer
@@ -188,6 +205,23 @@ class LlamaCppRunner(Runner):
     def step(self, batch: StepBatch) -> np.ndarray:
         """Decode every chunk (split into n_batch-sized llama_decode calls); logits in batch order."""
         self._check_open()
+        if batch.exact and batch.num_tokens == 1 and self.kv.max_seqs > 1:  # see the class docstring
+            padded = StepBatch([*batch.chunks, SeqChunk(_PAD_SEQ, [0], 0, logits=LogitsWanted.NONE)])
+            try:
+                return self._decode(padded)
+            finally:
+                self.release(_PAD_SEQ)  # free its cell now: the next token of the lone row takes it
+        return self._decode(batch)
+
+    def exact_shapes(self) -> ExactShapes:
+        """Shapes that keep logits batch-invariant here (the class docstring says why these)."""
+        return ExactShapes(decode_rows=EXACT_DECODE_ROWS, reserved_seqs=1 if self.kv.max_seqs > 1 else 0)
+
+    def kv_sync(self, blocks: BlockManager, slots: int, running: Callable[[], int]) -> KVSync:
+        """Per-sequence slots follow the engine's blocks: prefix copies and kept sequences (slots.py)."""
+        return SlotKVSync(self, blocks, slots, running)
+
+    def _decode(self, batch: StepBatch) -> np.ndarray:
         chunks = batch.chunks
         slots = self._prepare(chunks)
         out = np.empty((batch.num_logit_rows, self.n_vocab), dtype=np.float32)

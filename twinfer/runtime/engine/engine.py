@@ -1,7 +1,9 @@
 """The engine: requests -> scheduler -> step -> sampler -> guard -> stream.
 
-One `step()` is: schedule, sync the runner's KV slots, draft (speculative decoding, when the engine
-has a proposer), build the batch, run it, record what was computed, sample or verify, and finish.
+One `step()` is: schedule, bring the runner's KV storage in step (`KVSync`), draft (speculative
+decoding, when the engine has a proposer), build the batch, run it, record what was computed, sample
+or verify, and finish. What a runner needs from scheduling it declares (runtime/runner.py); the
+engine holds no runner-specific code.
 The engine is single-threaded; `AsyncEngine` (async_engine.py) runs it on a thread for the server
 and the TUI.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,11 +36,6 @@ from twinfer.runtime.speculative.proposer import Draft, Proposer
 from twinfer.runtime.speculative.speculator import SpecConfig, Speculator
 from twinfer.runtime.tokenizer.detok import StreamDecoder
 
-# Batch-invariant mode on a slot runner pads a step of one token with one token of this sequence:
-# llama.cpp's CPU flash attention splits a lone query row's KV over threads once 512+ cells are in
-# view (ggml ops.cpp, `use_split_kv_path`) and sums it differently from any multi-row step.
-PAD_SEQ = -1
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -47,7 +44,8 @@ class EngineConfig:
     max_prefill_chunk: int = 512
     enable_prefix_cache: bool = True
     max_context: int | None = None  # defaults to the model's window, capped by the KV capacity
-    batch_invariant: bool = False  # see SchedulerConfig: exact batching on non-invariant runners
+    batch_invariant: bool = False  # exact batching on runners that declare ExactShapes (runtime/runner.py)
+    keep_finished: int = 64  # finished requests left in `Engine.requests` for callers; older ones go
     spec: SpecConfig = field(default_factory=SpecConfig)  # used when the engine gets a proposer
 
 
@@ -63,23 +61,24 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         kv = runner.kv
+        self.exact = runner.exact_shapes() if self.config.batch_invariant else None
         shared_cells = kv.seq_tokens is None  # per-sequence KV streams cannot share a prefix
-        prefix_cache = self.config.enable_prefix_cache and not self.config.batch_invariant and shared_cells
+        prefix_cache = self.config.enable_prefix_cache and self.exact is None and shared_cells
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
-        self.pad_lone_rows = self.config.batch_invariant and not kv.paged and kv.max_seqs > 1
-        self.slots = kv.max_seqs - self.pad_lone_rows  # sequence slots for requests (slot runners)
-        max_seqs = min(self.config.max_seqs, self.slots)
-        sched = SchedulerConfig(self.config.max_batch_tokens, max_seqs, self.config.max_prefill_chunk,
-                                self.config.batch_invariant)
+        slots = kv.max_seqs - (self.exact.reserved_seqs if self.exact else 0)  # sequences the runner holds for us
+        self.kv_sync = runner.kv_sync(self.blocks, slots, lambda: len(self.scheduler.running))
+        sched = SchedulerConfig(self.config.max_batch_tokens, min(self.config.max_seqs, slots),
+                                self.config.max_prefill_chunk, self.exact is not None,
+                                self.exact.decode_rows if self.exact else SchedulerConfig.invariant_rows)
         window = runner.spec.max_position
         self.max_context = min(self.config.max_context or window, window, kv.max_seq_tokens)
         self.speculator = None
         if proposer is not None:
             self.speculator = Speculator(proposer, self.config.spec, self.max_context, self.blocks)
-        self.scheduler = Scheduler(sched, self.blocks, prefix_ok=None if kv.paged else self._slot_prefix_ok,
+        self.scheduler = Scheduler(sched, self.blocks, prefix_ok=self.kv_sync.reusable,
                                    draft_k=self.speculator.draft_k if self.speculator else None)
-        self.requests: dict[str, Request] = {}
-        self.retained: OrderedDict[int, None] = OrderedDict()  # finished seqs whose KV a slot runner keeps
+        self.requests: dict[str, Request] = {}  # live requests, and the last `keep_finished` finished ones
+        self._finished: deque[Request] = deque()
         self.metrics = EngineMetrics(speculator=self.speculator)
         self.guard = LoopGuard(self._piece)
         self._seq_ids = itertools.count()
@@ -123,12 +122,11 @@ class Engine:
         return self._finish(request, "abort")
 
     def close(self) -> None:
-        """Abort everything and give a slot runner's kept sequences back (the runner and the
-        proposer stay usable: whoever made them closes them)."""
+        """Abort everything and give back the sequences the runner kept for reuse (the runner and
+        the proposer stay usable: whoever made them closes them)."""
         for request_id in [r for r, req in self.requests.items() if not req.finished]:
             self.abort(request_id)
-        for seq in list(self.retained):
-            self._drop_retained(seq)
+        self.kv_sync.close()
 
     @property
     def has_work(self) -> bool:
@@ -137,7 +135,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the deltas of every request that produced output."""
         schedule = self.scheduler.schedule()
-        self._sync_slots(schedule)
+        self._begin_kv(schedule)
         if not schedule.items:
             return []
         drafts = self.speculator.propose(schedule.items) if self.speculator else {}
@@ -148,13 +146,15 @@ class Engine:
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | None = None
                  ) -> list[RequestOutput]:
         """Run prompts to completion together; one finished RequestOutput per prompt, in order."""
-        ids = [self.add_request(p, params) for p in prompts]
+        requests = [self.requests[self.add_request(p, params)] for p in prompts]
         results: dict[str, RequestOutput] = {}
         while self.has_work:
             for out in self.step():
                 if out.finished:
                     results[out.request_id] = out
-        return [self.full_output(self.requests.pop(i), results.get(i)) for i in ids]
+        for request in requests:
+            self._forget(request)
+        return [self.full_output(r, results.get(r.request_id)) for r in requests]
 
     def full_output(self, request: Request, last: RequestOutput | None = None) -> RequestOutput:
         return RequestOutput(
@@ -165,11 +165,13 @@ class Engine:
         )
 
     # -- step internals ----------------------------------------------------------------------------
+    def _begin_kv(self, schedule: Schedule) -> None:
+        """Tell the runner's KV storage who was preempted and who starts from a cached prefix."""
+        admitted = [(s.request.seq_id, s.prefix_blocks) for s in schedule.items if s.admitted]
+        self.kv_sync.begin_step([r.seq_id for r in schedule.preempted], admitted)
+
     def _batch(self, items: list[Scheduled], drafts: dict[int, Draft]) -> StepBatch:
-        batch = StepBatch([self._chunk(s, drafts.get(s.request.seq_id)) for s in items])
-        if self.pad_lone_rows and batch.num_tokens == 1:  # see PAD_SEQ
-            batch.chunks.append(SeqChunk(PAD_SEQ, [0], 0, logits=LogitsWanted.NONE))
-        return batch
+        return StepBatch([self._chunk(s, drafts.get(s.request.seq_id)) for s in items], exact=self.exact is not None)
 
     def _chunk(self, s: Scheduled, draft: Draft | None) -> SeqChunk:
         """The step's tokens of one request; a decode with a draft asks for logits at every position."""
@@ -186,8 +188,6 @@ class Engine:
         started = time.perf_counter()
         logits = self.runner.step(batch)
         seconds = time.perf_counter() - started
-        if batch.chunks[-1].seq_id == PAD_SEQ:
-            self.runner.release(PAD_SEQ)  # free its cell now: the next token of the lone row takes it
         self.metrics.on_step(batch.num_tokens, seconds)
         if self.speculator is not None:
             self.speculator.on_step(seconds, items, drafts)
@@ -199,7 +199,7 @@ class Engine:
         new: list[tuple[Request, list[Sampled]]] = []
         plain: list[tuple[Request, int]] = []  # requests sampling one token, and their logits row
         row = 0
-        for s, chunk in zip(items, batch.chunks[: len(items)], strict=True):  # a pad chunk comes last
+        for s, chunk in zip(items, batch.chunks, strict=True):
             request, draft = s.request, drafts.get(s.request.seq_id)
             if draft is not None:
                 new.append((request, self._verify(request, draft, logits[row : row + chunk.logit_rows])))
@@ -216,7 +216,7 @@ class Engine:
 
     def _verify(self, request: Request, draft: Draft, rows: np.ndarray) -> list[Sampled]:
         """The tokens a drafted decode emits. The KV of its last token and the accepted drafts stays;
-        the rejected tail is overwritten from `num_computed` on (slot runners drop it with seq_rm)."""
+        the rejected tail is overwritten from `num_computed` on (the runner drops it there)."""
         assert self.speculator is not None
         tokens = self.speculator.accept(request, draft, draft_rows(rows, request.row, draft.tokens))
         if request.row.guide is not None:
@@ -227,9 +227,9 @@ class Engine:
     def _computed(self, request: Request, n: int, accepted: list[int] | None = None) -> None:
         """n more tokens are in KV: register their full blocks (`accepted`: drafts not yet in output)."""
         request.num_computed += n
-        owner = None if self.runner.kv.paged else request.seq_id
         tokens = request.tokens + accepted if accepted else request.tokens
-        self.blocks.mark_computed(request.seq_id, tokens, request.num_computed, owner)
+        self.blocks.mark_computed(request.seq_id, tokens, request.num_computed)
+        self.kv_sync.computed(request.seq_id, request.num_computed)
 
     def _emit(self, request: Request, results: list[Sampled]) -> RequestOutput | None:
         """Append the step's new tokens one at a time (each meets the stop rules and the guard)."""
@@ -305,7 +305,7 @@ class Engine:
         temperature = request.params.guard.retry_temperature if request.params.greedy else None
         request.reset_output(seed, temperature)
         self.scheduler.remove(request)
-        self._release_seq(request.seq_id)
+        self.kv_sync.dropped(request.seq_id)
         request.num_computed = 0
         request.status = Status.WAITING
         self.scheduler.add(request)
@@ -323,77 +323,17 @@ class Engine:
         self.scheduler.remove(request)
         if self.speculator is not None:
             self.speculator.release(request.seq_id)
-        if not self.runner.kv.paged:
-            self._retain_or_release(request.seq_id, table)
+        self.kv_sync.finished(request.seq_id, table)
         self.metrics.on_finish(request)
+        self._finished.append(request)
+        while len(self._finished) > self.config.keep_finished:
+            self._forget(self._finished.popleft())
         return self._delta(request, final=True)
 
-    # -- sequence-slot runners (llama.cpp) -----------------------------------------------------------
-    def _slot_prefix_ok(self, block_ids: list[int]) -> int:
-        """A slot runner can reuse a prefix only if some live or kept sequence holds all of it, and
-        there is a slot for the new sequence while that source is still kept."""
-        while block_ids and self.blocks.owner_of(block_ids[-1]) is None:
-            block_ids = block_ids[:-1]
-        owner = self.blocks.owner_of(block_ids[-1]) if block_ids else None
-        if owner in self.retained and len(self.scheduler.running) + 2 > self.slots:
-            return 0
-        return len(block_ids)
-
-    def _sync_slots(self, schedule: Schedule) -> None:
-        """Keep the slot runner's sequences in step with the schedule: drop preempted and evicted
-        sequences, copy cached prefixes into admitted ones, and keep slots within the limit."""
-        if self.runner.kv.paged:
-            return
-        for request in schedule.preempted:
-            self._release_seq(request.seq_id)
-        evicted, self.blocks.evicted_owners = set(self.blocks.evicted_owners), []
-        for owner in evicted & set(self.retained):
-            self._drop_retained(owner)
-        copies = []
-        for s in schedule.items:
-            if s.admitted and s.prefix_blocks:
-                src = self.blocks.owner_of(self.blocks.table(s.request.seq_id)[s.prefix_blocks - 1])
-                if src is not None and src != s.request.seq_id:
-                    copies.append((src, s.request.seq_id, s.prefix_blocks * self.blocks.block_size))
-        self._trim_retained(keep={src for src, _, _ in copies})
-        for i, (src, dst, n) in enumerate(copies):
-            self.runner.copy_prefix(src, dst, n)
-            self._trim_retained(keep={later for later, _, _ in copies[i + 1 :]})
-
-    def _trim_retained(self, keep: set[int]) -> None:
-        """Drop the oldest kept sequences (not in `keep`) until running + kept fit the slots."""
-        over = len(self.scheduler.running) + len(self.retained) - self.slots
-        for seq in list(self.retained):
-            if over <= 0:
-                break
-            if seq not in keep:
-                self._drop_retained(seq)
-                over -= 1
-
-    def _retain_or_release(self, seq_id: int, table: list[int]) -> None:
-        """Keep a finished sequence's leading cached blocks in its slot for prefix reuse; drop the rest."""
-        keep = 0
-        for block_id in table:
-            if not self.blocks.is_registered(block_id):
-                break
-            keep += 1
-        self.blocks.disown(seq_id, table[keep:])
-        if keep:
-            self.runner.truncate(seq_id, keep * self.blocks.block_size)
-            self.retained[seq_id] = None
-        else:
-            self.runner.release(seq_id)
-
-    def _drop_retained(self, seq_id: int) -> None:
-        self.retained.pop(seq_id, None)
-        self.blocks.evict_owner(seq_id)
-        self.runner.release(seq_id)
-
-    def _release_seq(self, seq_id: int) -> None:
-        """A slot runner drops the sequence's KV, so its cached blocks can no longer be reused."""
-        if not self.runner.kv.paged:
-            self.blocks.evict_owner(seq_id)
-            self.runner.release(seq_id)
+    def _forget(self, request: Request) -> None:
+        """Drop a finished request from `requests` (unless its id now names a newer request)."""
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]
 
     def _piece(self, token: int) -> str:
         if self.tokenizer is None:

@@ -24,12 +24,10 @@ class SchedulerConfig:
     max_batch_tokens: int = 512  # tokens computed per step (prefill chunks + decodes)
     max_seqs: int = 16  # requests running at once
     max_prefill_chunk: int = 512  # longest piece of one prompt computed in one step
-    # Batch-invariant mode, for runners whose numerics depend on the rows in a call (llama.cpp on
-    # CPU): each prompt chunk runs alone at fixed boundaries, decode steps hold at most
-    # `invariant_rows` rows, and a resumed request replays its output one token per step. Drafts
-    # are verified only while one request runs: rolling back a rejected draft frees KV cells that
-    # another sequence's next token may take, leaving the cells out of position order, and
-    # llama.cpp's attention sums a sequence's cells in cell order.
+    # Batch-invariant mode, in the shapes a runner declares exact (runtime/runner.py, ExactShapes):
+    # each prompt chunk runs alone at fixed boundaries, decode steps hold at most `invariant_rows`
+    # rows, a resumed request replays its output one token per step, and drafts are verified only
+    # while one request runs.
     batch_invariant: bool = False
     invariant_rows: int = 7
 
@@ -56,14 +54,15 @@ class Schedule:
 class Scheduler:
     """Owns the waiting and running queues. Called by the engine once per step."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix_ok=None,
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 prefix_ok: Callable[[list[int]], int] | None = None,
                  draft_k: Callable[[Request], int] | None = None):
         self.config = config
         self.blocks = blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        # prefix_ok(block_ids) -> how many of the matched blocks the runner can reuse
-        self.prefix_ok = prefix_ok or (lambda block_ids: len(block_ids))
+        # prefix_ok(block_ids) -> how many of the matched blocks the runner can reuse (KVSync.reusable)
+        self.prefix_ok = prefix_ok or len
         self.draft_k = draft_k  # draft_k(request) -> draft tokens its next decode would verify
         self.preemptions = 0
         self._turn = 0  # rotation of decode rows in batch-invariant mode
@@ -86,7 +85,7 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         if self.config.batch_invariant:
-            return self._schedule_invariant()
+            return self._schedule_exact()
         out = Schedule()
         budget = self.config.max_batch_tokens
         self.running.sort(key=Request.sort_key)
@@ -105,7 +104,8 @@ class Scheduler:
             budget = self._admit(budget, out)
         return out
 
-    def _schedule_invariant(self) -> Schedule:
+    def _schedule_exact(self) -> Schedule:
+        """Batch-invariant mode: a prompt chunk alone, else up to `invariant_rows` decodes in turn."""
         out = Schedule()
         self.running.sort(key=Request.sort_key)
         chunk = self.config.max_prefill_chunk

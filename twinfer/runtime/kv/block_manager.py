@@ -6,9 +6,9 @@ the same N blocks. A hit is also checked against the block's stored tokens and p
 colliding key never hands one request another's KV. Blocks are reference-counted; a block nobody
 references stays cached (and reusable) until it is evicted least-recently-used to make room.
 
-The manager never touches a device. For sequence-slot runners (llama.cpp) a cached block also
-records the sequence that physically holds it (`owner`), so the engine can copy that prefix or
-release that sequence when its blocks are evicted.
+The manager never touches a device. A runner that stores KV per sequence follows it through its
+`KVSync` (runtime/runner.py), which hears of every cached block evicted (`on_evict`) and drops
+the blocks whose KV it no longer holds (`uncache`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 Link = tuple[int, int]  # (block id, generation): one registered block's content, stable while cached
@@ -44,7 +44,6 @@ class Block:
     tokens: tuple[int, ...] | None = None  # the registered block's token ids, checked on every hit
     parent: Link | None = None  # the registered block's parent block (None: first block)
     generation: int = 0  # bumped whenever the block stops holding its registered content
-    owner: int | None = None  # sequence id that physically holds this block (sequence-slot runners)
 
 
 @dataclass
@@ -80,7 +79,7 @@ class BlockManager:
         self.by_key: dict[bytes, int] = {}
         self.root = root_key(salt)
         self.seqs: dict[int, SeqBlocks] = {}
-        self.evicted_owners: list[int] = []  # owners whose cached blocks were evicted (engine drains)
+        self.on_evict: Callable[[int], None] | None = None  # told each cached block id evicted for room
         self.hits = 0  # prefix-cache tokens reused
         self.queries = 0  # prompt tokens looked up
 
@@ -117,9 +116,6 @@ class BlockManager:
             found.append(block_id)
             link = (block_id, self.blocks[block_id].generation)
         return found
-
-    def owner_of(self, block_id: int) -> int | None:
-        return self.blocks[block_id].owner
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate(self, seq_id: int, prefix: Sequence[int], num_tokens: int, tokens: Sequence[int]) -> None:
@@ -169,13 +165,9 @@ class BlockManager:
             seq.keys.append(key)
             seq.links.append((holder, self.blocks[holder].generation))
 
-    def mark_computed(self, seq_id: int, tokens: Sequence[int], num_computed: int, owner: int | None) -> None:
+    def mark_computed(self, seq_id: int, tokens: Sequence[int], num_computed: int) -> None:
         """Record that the first `num_computed` tokens are in KV: register their full blocks."""
         self.register_full_blocks(seq_id, tokens[:num_computed])
-        if owner is not None:
-            seq = self.seqs[seq_id]
-            for block_id in seq.table[: num_computed // self.block_size]:
-                self.blocks[block_id].owner = owner
 
     def free(self, seq_id: int) -> None:
         """Drop a sequence's references; its registered blocks stay cached for reuse, the rest are freed."""
@@ -220,13 +212,10 @@ class BlockManager:
             block_id = self.free_ids.pop()
         else:
             block_id, _ = self.cached.popitem(last=False)  # least recently used
-            block = self.blocks[block_id]
-            if block.owner is not None:
-                self.evicted_owners.append(block.owner)
-            self._unregister(block)
-        block = self.blocks[block_id]
-        block.ref_count = 1
-        block.owner = None
+            self._unregister(self.blocks[block_id])
+            if self.on_evict is not None:
+                self.on_evict(block_id)
+        self.blocks[block_id].ref_count = 1
         return block_id
 
     def _unregister(self, block: Block) -> None:
@@ -238,27 +227,14 @@ class BlockManager:
 
     def _release(self, block: Block) -> None:
         self._unregister(block)
-        block.owner = None
         self.free_ids.append(block.block_id)
 
-    def evict_owner(self, owner: int) -> None:
-        """Evict every cached block physically held by `owner` (its sequence slot is being reused)."""
-        for block_id in [b for b in self.cached if self.blocks[b].owner == owner]:
-            del self.cached[block_id]
-            self._release(self.blocks[block_id])
-        for block in self.blocks:
-            if block.owner == owner:
-                block.owner = None
-
-    def disown(self, owner: int, block_ids: list[int]) -> None:
-        """`owner` no longer holds these blocks: clear its ownership and drop them if only cached."""
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """The runner no longer holds these blocks' KV: those only cached (unreferenced) are freed."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.owner == owner:
-                block.owner = None
-                if block_id in self.cached:
-                    del self.cached[block_id]
-                    self._release(block)
+            if block_id in self.cached:
+                del self.cached[block_id]
+                self._release(self.blocks[block_id])
 
     def check(self) -> None:
         """Assert the invariants (tests call this after every step)."""

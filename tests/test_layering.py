@@ -1,0 +1,94 @@
+"""The layers import only downward, proven from the AST of every module (function-local imports too).
+
+runtime (the core) imports nothing above it; quant measures through runners it is handed and never
+imports a backend; planners never touch a device; backends never reach up into the application;
+the app layer is the one place that knows every other. A string handed to `importlib` counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import twinfer
+
+PACKAGE = Path(twinfer.__file__).parent
+FACES = ("cli", "tui")
+FORBIDDEN = {  # layer -> the layers it must never import
+    "runtime": ("planners", "quant", "backends", "app", *FACES),
+    "quant": ("backends", "app", *FACES),
+    "planners": ("backends", "app", *FACES),
+    "backends": ("app", *FACES),
+    "app": FACES,
+}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path, module_name: str | None = None) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, wherever it sits; relative imports made absolute."""
+    here = (module_name or _module(path)).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            out.append((node.lineno, module))
+            out += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]  # `from twinfer import app`
+        elif _is_import_module(node):
+            out.append((node.lineno, node.args[0].value))  # type: ignore[attr-defined]
+    return out
+
+
+def _is_import_module(node: ast.AST) -> bool:
+    """`importlib.import_module("twinfer....")` with a literal name."""
+    if not isinstance(node, ast.Call) or getattr(node.func, "attr", getattr(node.func, "id", "")) != "import_module":
+        return False
+    return bool(node.args) and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "twinfer" else None
+
+
+def upward_imports() -> dict[str, list[str]]:
+    """layer -> "file:line imports module" for every import that climbs."""
+    found: dict[str, list[str]] = {layer: [] for layer in FORBIDDEN}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = _layer(_module(path))
+        if layer not in FORBIDDEN:
+            continue
+        for line, module in imported(path):
+            if _layer(module) in FORBIDDEN[layer]:
+                found[layer].append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}")
+    return found
+
+
+def test_the_checker_sees_function_local_relative_and_string_imports(tmp_path: Path) -> None:
+    sample = PACKAGE / "runtime" / "engine" / "engine.py"
+    assert any(m.startswith("twinfer.runtime.kv") for _, m in imported(sample))
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    import twinfer.backends.cuda\n    from twinfer import quant\n"
+                     "    from ..planners import plan\n    importlib.import_module('twinfer.app')\n")
+    assert [m for _, m in imported(probe, "twinfer.runtime.probe")] == [
+        "twinfer.backends.cuda", "twinfer", "twinfer.quant", "twinfer.planners", "twinfer.planners.plan", "twinfer.app"]
+
+
+def test_runtime_imports_nothing_above_it() -> None:
+    assert upward_imports()["runtime"] == []
+
+
+def test_quant_never_imports_a_backend() -> None:
+    assert upward_imports()["quant"] == []
+
+
+def test_planners_backends_and_app_import_only_downward() -> None:
+    found = upward_imports()
+    assert (found["planners"], found["backends"], found["app"]) == ([], [], [])

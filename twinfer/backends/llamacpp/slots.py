@@ -1,0 +1,124 @@
+"""How llama.cpp's per-sequence KV follows the engine's block accounting (`KVSync` for `LlamaCppRunner`).
+
+llama.cpp stores KV per sequence slot, not in the engine's blocks: a block's KV exists only while a
+slot that computed (or copied) it holds it. So this keeps, per cached block, the sequence whose slot
+holds it (`owner`); a new request reuses a cached prefix only if some live or kept sequence holds
+all of it, and gets it by `copy_prefix` (llama.cpp shares the cells). A finished sequence keeps its
+leading cached blocks in its slot (`retained`) until the slot or the cells are needed, and a kept
+sequence whose blocks the block manager evicts is released.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from twinfer.runtime.kv.block_manager import BlockManager
+from twinfer.runtime.runner import KVSync
+
+if TYPE_CHECKING:
+    from twinfer.backends.llamacpp.runner import LlamaCppRunner
+
+
+class SlotKVSync(KVSync):
+    """The llama.cpp runner's side of one engine's KV accounting. Called from the engine's thread."""
+
+    def __init__(self, runner: LlamaCppRunner, blocks: BlockManager, slots: int, running: Callable[[], int]):
+        self.runner = runner
+        self.blocks = blocks
+        self.slots = slots  # sequences that may hold a llama.cpp slot at once: running + retained
+        self.running = running
+        self.owner: dict[int, int] = {}  # block id -> the sequence whose slot holds its KV
+        self.retained: OrderedDict[int, None] = OrderedDict()  # finished sequences kept for their prefix
+        self.evicted: set[int] = set()  # owners of blocks evicted since the last step
+        blocks.on_evict = self._on_evict
+
+    # -- KVSync --------------------------------------------------------------------------------------
+    def reusable(self, block_ids: list[int]) -> int:
+        """Only a prefix some sequence still holds, and only with a slot free while a kept source stays."""
+        while block_ids and self.owner.get(block_ids[-1]) is None:
+            block_ids = block_ids[:-1]
+        owner = self.owner.get(block_ids[-1]) if block_ids else None
+        if owner in self.retained and self.running() + 2 > self.slots:
+            return 0
+        return len(block_ids)
+
+    def begin_step(self, preempted: list[int], admitted: list[tuple[int, int]]) -> None:
+        """Drop preempted and evicted sequences, copy cached prefixes into admitted ones, keep slots."""
+        for seq_id in preempted:
+            self.dropped(seq_id)
+        evicted, self.evicted = self.evicted, set()
+        for seq_id in evicted & set(self.retained):
+            self._drop_retained(seq_id)
+        copies = []
+        for seq_id, prefix_blocks in admitted:
+            if prefix_blocks:
+                src = self.owner.get(self.blocks.table(seq_id)[prefix_blocks - 1])
+                if src is not None and src != seq_id:
+                    copies.append((src, seq_id, prefix_blocks * self.blocks.block_size))
+        self._trim_retained(keep={src for src, _, _ in copies})
+        for i, (src, dst, n) in enumerate(copies):
+            self.runner.copy_prefix(src, dst, n)
+            self._trim_retained(keep={later for later, _, _ in copies[i + 1 :]})
+
+    def computed(self, seq_id: int, num_computed: int) -> None:
+        for block_id in self.blocks.table(seq_id)[: num_computed // self.blocks.block_size]:
+            self.owner[block_id] = seq_id
+
+    def finished(self, seq_id: int, table: list[int]) -> None:
+        """Keep the sequence's leading cached blocks in its slot for prefix reuse; drop the rest."""
+        keep = 0
+        for block_id in table:
+            if not self.blocks.is_registered(block_id):
+                break
+            keep += 1
+        self._disown(seq_id, table[keep:])
+        if keep:
+            self.runner.truncate(seq_id, keep * self.blocks.block_size)
+            self.retained[seq_id] = None
+        else:
+            self.runner.release(seq_id)
+
+    def dropped(self, seq_id: int) -> None:
+        """The slot's KV is gone, so the blocks it held can no longer be reused."""
+        self._evict_owner(seq_id)
+        self.runner.release(seq_id)
+
+    def close(self) -> None:
+        for seq_id in list(self.retained):
+            self._drop_retained(seq_id)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _on_evict(self, block_id: int) -> None:
+        owner = self.owner.pop(block_id, None)
+        if owner is not None:
+            self.evicted.add(owner)
+
+    def _trim_retained(self, keep: set[int]) -> None:
+        """Drop the oldest kept sequences (not in `keep`) until running + kept fit the slots."""
+        over = self.running() + len(self.retained) - self.slots
+        for seq_id in list(self.retained):
+            if over <= 0:
+                break
+            if seq_id not in keep:
+                self._drop_retained(seq_id)
+                over -= 1
+
+    def _drop_retained(self, seq_id: int) -> None:
+        self.retained.pop(seq_id, None)
+        self.dropped(seq_id)
+
+    def _evict_owner(self, seq_id: int) -> None:
+        """Forget what the sequence's slot held; blocks only it kept cached are freed."""
+        held = [b for b, owner in self.owner.items() if owner == seq_id]
+        for block_id in held:
+            del self.owner[block_id]
+        self.blocks.uncache(held)
+
+    def _disown(self, seq_id: int, block_ids: list[int]) -> None:
+        """The slot no longer holds these blocks (it is truncated before them)."""
+        mine = [b for b in block_ids if self.owner.get(b) == seq_id]
+        for block_id in mine:
+            del self.owner[block_id]
+        self.blocks.uncache(mine)
