@@ -70,6 +70,7 @@ def test_probe_matches_driver_names_to_table_rows() -> None:
 
 # What nvidia-smi calls each card -> (table row, memory the driver reports in decimal GB, memory we plan with)
 DRIVER_NAMES = [
+    ("NVIDIA GeForce RTX 2080 Ti", 11.8, "rtx-2080-ti", 11), ("NVIDIA TITAN RTX", 25.4, "titan-rtx", 24),
     ("NVIDIA GeForce RTX 3060 Ti", 8.6, "rtx-3060-ti", 8), ("NVIDIA GeForce RTX 3070", 8.6, "rtx-3070", 8),
     ("NVIDIA GeForce RTX 3080", 10.7, "rtx-3080", 10), ("NVIDIA GeForce RTX 3080 Ti", 12.9, "rtx-3080-ti", 12),
     ("NVIDIA GeForce RTX 3090 Ti", 25.8, "rtx-3090-ti", 24), ("NVIDIA GeForce RTX 4060", 8.6, "rtx-4060", 8),
@@ -110,6 +111,7 @@ def test_probe_cpu_reads_this_machine() -> None:
 # FP8 with sparsity and FP16 accumulate, a quarter of which is the FP32-accumulate dense rate; GeForce 50
 # and RTX PRO "AI TOPS" are FP4 with sparsity).
 PUBLISHED = [
+    ("rtx-2080-ti", "f16", 53.8), ("rtx-2080-ti", "int8", 215.2), ("titan-rtx", "f16", 130.0),
     ("rtx-3090", "bf16", 71.0), ("rtx-4060", "fp8", 242 / 4), ("rtx-4060-ti", "fp8", 353 / 4),
     ("rtx-4070", "fp8", 466 / 4), ("rtx-4070-ti", "fp8", 641 / 4), ("rtx-4080", "fp8", 780 / 4),
     ("rtx-4090", "bf16", 165.2), ("rtx-4090", "fp8", 330.3), ("rtx-5060-ti", "fp4", 759 / 2),
@@ -123,7 +125,7 @@ PUBLISHED = [
     ("a40", "bf16", 149.7), ("t4", "f16", 65.0), ("t4", "int8", 130.0), ("v100-sxm2", "f16", 125.0),
     ("v100-pcie", "f16", 112.0),
 ]
-FP32 = [("rtx-3090", 35.6), ("rtx-4090", 82.6), ("rtx-5090", 104.8), ("rtx-a2000", 8.0), ("rtx-a6000", 38.7),
+FP32 = [("rtx-2080-ti", 13.4), ("titan-rtx", 16.3), ("rtx-3090", 35.6), ("rtx-4090", 82.6), ("rtx-5090", 104.8), ("rtx-a2000", 8.0), ("rtx-a6000", 38.7),
         ("rtx-4000-ada", 26.7), ("rtx-6000-ada", 91.1), ("rtx-pro-6000", 125.0), ("l4", 30.3), ("l40", 90.5),
         ("l40s", 91.6), ("a10", 31.2), ("a30", 10.3), ("a40", 37.4), ("t4", 8.1), ("v100-sxm2", 15.7),
         ("v100-pcie", 14.0)]

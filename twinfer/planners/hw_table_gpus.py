@@ -1,11 +1,11 @@
-"""The NVIDIA GPUs people own: GeForce RTX 30/40/50, RTX workstation cards, and PCIe data-center cards.
+"""The NVIDIA GPUs people own: GeForce RTX 20/30/40/50, RTX workstation cards, and PCIe data-center cards.
 
 Every tensor and FP32 peak here is derived the way NVIDIA's own tables are: SM count x boost clock (the
 product page) x dense operations per clock per SM (the architecture whitepaper, `_ARCH`). The test
 `test_owned_gpu_rows_reproduce_published_peaks` checks the derivation against the headline numbers
 the vendor pages print (halved where they print "with sparsity"). GeForce cards multiply FP16/BF16 and
 FP8 at half rate when accumulating in FP32, which is what inference kernels do, so their rows carry
-the FP32-accumulate rates; workstation and data-center cards run both at full rate. Turing and Volta
+the FP32-accumulate rates; workstation and data-center cards (and the TITAN RTX) run both at full rate. Turing and Volta
 have no BF16 and Volta no INT8 tensor cores, so their rows list only what the chip runs natively.
 """
 
@@ -17,6 +17,8 @@ from twinfer.planners.hardware import GPU, LINK_GBS, Device
 _ARCH: dict[str, tuple[dict[str, int], int, str]] = {
     "volta": ({"f16": 1024}, 64, "NVIDIA Tesla V100 GPU architecture whitepaper"),
     "turing": ({"f16": 1024, "int8": 2048}, 64, "NVIDIA Turing GPU architecture whitepaper (Tesla T4)"),
+    "turing-geforce": ({"f16": 512, "int8": 2048}, 64,
+                       "NVIDIA Turing GPU architecture whitepaper (GeForce, FP32 accumulate)"),
     "ga100": ({"bf16": 2048, "f16": 2048, "int8": 4096}, 64, "NVIDIA A100 Tensor Core GPU architecture whitepaper"),
     "ampere": ({"bf16": 1024, "f16": 1024, "int8": 2048}, 128,
                "NVIDIA Ampere GA102 GPU architecture whitepaper (professional rates)"),
@@ -32,6 +34,7 @@ _ARCH: dict[str, tuple[dict[str, int], int, str]] = {
                           "NVIDIA RTX Blackwell GPU architecture whitepaper (FP32 accumulate; FP4 = AI TOPS / 2)"),
 }
 
+_GF20 = "nvidia.com/en-us/geforce/20-series/"
 _GF30 = "nvidia.com/en-us/geforce/graphics-cards/30-series/"
 _GF40 = "nvidia.com/en-us/geforce/graphics-cards/40-series/"
 _GF50 = "nvidia.com/en-us/geforce/graphics-cards/50-series/"
@@ -66,11 +69,18 @@ def _gf(key: str, label: str, arch: str, sms: int, boost: float, mem: float, bw:
                   options=options, aliases=_short(key))
 
 
+_T = "turing-geforce"
 _A = "ampere-geforce"
 _ADA = "ada-geforce"
 _BW = "blackwell-geforce"
 
 GEFORCE: list[Device] = [
+    _gf("rtx-2060", "RTX 2060 6GB", _T, 30, 1.68, 6, 336, "pcie3", _GF20),
+    _gf("rtx-2070", "RTX 2070 8GB", _T, 36, 1.62, 8, 448, "pcie3", _GF20),
+    _gf("rtx-2080", "RTX 2080 8GB", _T, 46, 1.71, 8, 448, "pcie3", _GF20),
+    _gf("rtx-2080-ti", "RTX 2080 Ti 11GB", _T, 68, 1.545, 11, 616, "pcie3", _GF20),
+    nv_row("titan-rtx", "NVIDIA TITAN RTX 24GB", "turing", 72, 1.77, 24, 672, "pcie3",
+           "nvidia.com/en-us/deep-learning-ai/products/titan-rtx/ (130 TFLOPS tensor)", aliases=("titanrtx",)),
     _gf("rtx-3060", "RTX 3060 12GB", _A, 28, 1.777, 12, 360, "pcie4", _GF30 + "rtx-3060-3060ti/"),
     _gf("rtx-3060-ti", "RTX 3060 Ti 8GB", _A, 38, 1.665, 8, 448, "pcie4", _GF30 + "rtx-3060-3060ti/"),
     _gf("rtx-3070", "RTX 3070 8GB", _A, 46, 1.725, 8, 448, "pcie4", _GF30 + "rtx-3070-3070ti/"),
