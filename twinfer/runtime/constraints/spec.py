@@ -16,8 +16,10 @@ from twinfer.runtime.errors import RequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf", "llguidance")
 MAX_TEXT_CHARS = 1 << 20
-# JSON without free whitespace, in json.dumps' default spacing: a small model cannot loop on blanks.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON without free whitespace, in json.dumps' default spacing, and strings without \u escapes: a
+# small model would otherwise loop on blanks or on escape sequences (Gemma 3 270M does).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "json_allowed_escapes": 'nt"\\'}
 
 
 class GrammarError(RequestError):

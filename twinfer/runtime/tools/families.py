@@ -13,8 +13,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-# The JSON inside call grammars: no free whitespace (a small model cannot loop on blanks).
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from twinfer.runtime.constraints.spec import JSON_OPTIONS
+
 
 GENERIC_INSTRUCTIONS = """You can call these functions (each with a JSON Schema of its arguments):
 {tools}
@@ -49,7 +49,7 @@ def _any_call(functions: list[dict[str, Any]], args_key: str = "arguments") -> d
 
 
 def _json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -> str:
