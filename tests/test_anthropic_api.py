@@ -114,3 +114,12 @@ def test_auth_and_errors(tiny: Tiny, srv: ServerThread) -> None:
         with pytest.raises(anthropic.AuthenticationError):
             client(st, "wrong").messages.create(model=MODEL, max_tokens=2, messages=ASK)
         assert client(st, "k3y").messages.create(model=MODEL, max_tokens=2, messages=ASK).usage.output_tokens >= 1
+
+
+def test_structured_output_through_output_config(srv: ServerThread) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    m = client(srv).messages.create(model=MODEL, max_tokens=40, messages=ASK, output_config={
+        "format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+    assert m.stop_reason == "end_turn"

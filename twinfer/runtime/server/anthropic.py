@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.engine.async_engine import EngineDead
 from twinfer.runtime.server import prompts
 from twinfer.runtime.server.errors import APIError
@@ -26,6 +27,7 @@ from twinfer.runtime.server.handlers import SSE_HEADERS, collect, tool_plan
 from twinfer.runtime.server.knobs import Knobs
 from twinfer.runtime.server.responses import Follower, sse
 from twinfer.runtime.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
+from twinfer.runtime.server.structured import make_constraint
 from twinfer.runtime.tools.events import Delta, ToolCall
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ class MessagesRequest(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": {...}}}
 
 
 class CountTokensRequest(_Body):
@@ -142,6 +145,17 @@ def openai_tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict[
     return tools, (choice, parallel)
 
 
+def _output_format(config: dict[str, Any] | None) -> Constraint | None:
+    """Anthropic's structured outputs: output_config.format {"type": "json_schema", "schema": ...}."""
+    fmt = (config or {}).get("format")
+    if not fmt:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise APIError(400, "output_config.format must be {'type': 'json_schema', 'schema': {...}}",
+                       param="output_config.format")
+    return make_constraint("json_schema", fmt.get("schema"), "output_config.format.schema")
+
+
 # -- routes -----------------------------------------------------------------------------------------
 async def count_tokens(state: ServerState, body: CountTokensRequest) -> dict[str, Any]:
     _, tokenizer = state.ready()
@@ -157,11 +171,12 @@ async def messages(state: ServerState, request: Request, body: MessagesRequest) 
     engine, tokenizer = state.ready()
     state.check_model(body.model)
     tools, (choice, parallel) = openai_tools(body)
-    plan = tool_plan(tools, choice, parallel, tokenizer, None)
+    constraint = _output_format(body.output_config)
+    plan = tool_plan(tools, choice, parallel, tokenizer, constraint)
     ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
     knobs = Knobs(body.max_tokens, body.temperature, body.top_p, body.top_k, list(body.stop_sequences or []))
     params = prompts.sampling_params(knobs, len(ids), engine.max_context, engine.vocab_size, state.guard,
-                                     plan.constraint)
+                                     plan.constraint or constraint)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     choices = await submit(engine, ids, params, 1, message_id, 0)
     f = Follower(message_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())

@@ -42,7 +42,7 @@ def _response_format(body: Any, found: list[tuple[str, Constraint]]) -> None:
         if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
             raise APIError(400, "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                            param="response_format.json_schema")
-        found.append(("response_format", _make("json_schema", spec.get("schema", spec.get("json_schema")),
+        found.append(("response_format", make_constraint("json_schema", spec.get("schema", spec.get("json_schema")),
                                                "response_format.json_schema.schema")))
     else:
         raise APIError(400, f"response_format type {fmt.type!r} is unknown; use 'text', 'json_object' or "
@@ -54,26 +54,26 @@ def _vllm(body: Any, found: list[tuple[str, Constraint]]) -> None:
     if so:
         for key, kind in _VLLM_KEYS.items():
             if so.get(key) is not None:
-                found.append((f"structured_outputs.{key}", _make(kind, so[key], f"structured_outputs.{key}")))
+                found.append((f"structured_outputs.{key}", make_constraint(kind, so[key], f"structured_outputs.{key}")))
         if so.get("json_object"):
             found.append(("structured_outputs.json_object", Constraint("json_object", "")))
     for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                        ("guided_grammar", "gbnf")):
         value = getattr(body, name, None)
         if value is not None:
-            found.append((name, _make(kind, value, name)))
+            found.append((name, make_constraint(kind, value, name)))
 
 
 def _llama_server(body: Any, found: list[tuple[str, Constraint]]) -> None:
     schema = getattr(body, "json_schema", None)
     if schema is not None:
-        found.append(("json_schema", _make("json_schema", schema, "json_schema")))
+        found.append(("json_schema", make_constraint("json_schema", schema, "json_schema")))
     grammar = getattr(body, "grammar", None)
     if grammar:
-        found.append(("grammar", _make("gbnf", grammar, "grammar")))
+        found.append(("grammar", make_constraint("gbnf", grammar, "grammar")))
 
 
-def _make(kind: str, value: Any, param: str) -> Constraint:
+def make_constraint(kind: str, value: Any, param: str) -> Constraint:
     """A Constraint from a request field; a 400 naming `param` when the value cannot be one."""
     try:
         if kind == "json_schema":

@@ -15,7 +15,6 @@ from typing import Any
 
 from twinfer.runtime.constraints.spec import JSON_OPTIONS
 
-
 GENERIC_INSTRUCTIONS = """You can call these functions (each with a JSON Schema of its arguments):
 {tools}
 To call {how}, reply with only this JSON and nothing else:
@@ -70,6 +69,23 @@ def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -
                      "additionalProperties": False}
             lark = f"start: {_json(outer)}\n"
     return json.dumps({"grammars": [{"lark_grammar": lark}]})
+
+
+_TRIGGERS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
+             "generic": ('{"tool_calls": [', '{{"tool_calls": [{{"name": "{name}", "arguments": ', "}]}")}
+
+
+def auto_grammar(family: str, functions: list[dict[str, Any]]) -> str | None:
+    """For tool_choice "auto": free text, but once the model opens a call (its family's trigger),
+    the function name and its arguments are held to the schema. None for families without one."""
+    if family not in _TRIGGERS:
+        return None
+    from llguidance import StructTag
+
+    trigger, begin, end = _TRIGGERS[family]
+    tags = [StructTag(trigger=trigger, begin=begin.format(name=f["name"]), end=end,
+                      grammar={**f["parameters"], "x-guidance": JSON_OPTIONS}) for f in functions]
+    return str(StructTag.to_grammar(tags, assume_special=False))
 
 
 def _text(content: Any) -> str:

@@ -6,7 +6,8 @@ the chat template (`families.family_of`) and returns a `ToolPlan`:
   the generic form is used, in which case `rewrite` puts the tool list and the call format into
   the system message and turns assistant `tool_calls` and `tool` messages into plain turns;
 - `constraint`: for tool_choice "required" or a named function, a grammar that admits only calls
-  (of that function) whose arguments match its JSON schema;
+  (of that function) whose arguments match its JSON schema; for "auto" (Hermes and generic forms),
+  a grammar that leaves text free until the model opens a call, then holds it to the schema;
 - `parser()`: a fresh output parser for each choice (tool calls, and `<think>` reasoning when the
   template thinks).
 """
@@ -21,7 +22,7 @@ from typing import Any
 from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.errors import RequestError
 from twinfer.runtime.tools.events import OutputParser, PlainText
-from twinfer.runtime.tools.families import call_grammar, family_of, generic_messages, thinks
+from twinfer.runtime.tools.families import auto_grammar, call_grammar, family_of, generic_messages, thinks
 from twinfer.runtime.tools.parsers import parser_for
 from twinfer.runtime.tools.reasoning import ReasoningParser
 
@@ -73,6 +74,9 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         plan.template_tools = [{"type": "function", "function": f} for f in functions.values()]
     if forced:
         plan.constraint = Constraint("llguidance", call_grammar(family, list(forced.values()), parallel is not False))
+    elif constraint is None:  # auto: a call the model opens is held to its function's schema
+        grammar = auto_grammar(family, list(functions.values()))
+        plan.constraint = Constraint("llguidance", grammar) if grammar else None
     return plan
 
 
