@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_server import MODEL, build_tiny  # noqa: E402
+from test_server import build_tiny  # noqa: E402
 from test_server_agent import ASK, TOOLS, serving  # noqa: E402
 
 from twinfer.runtime.server.serve import ServerThread  # noqa: E402
