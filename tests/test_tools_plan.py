@@ -11,7 +11,7 @@ pytest.importorskip("llguidance")
 
 from test_constraints import char_tokenizer  # noqa: E402
 
-from twinfer.runtime.constraints import Grammars  # noqa: E402
+from twinfer.runtime.constraints import Constraint, Grammars  # noqa: E402
 from twinfer.runtime.constraints.mask import allowed_rows, guide_for  # noqa: E402
 from twinfer.runtime.errors import RequestError  # noqa: E402
 from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
@@ -29,10 +29,11 @@ def tok() -> Tokenizer:
     return char_tokenizer()
 
 
-def allowed_after(tok: Tokenizer, constraint, text: str) -> str:
+def allowed_after(tok: Tokenizer, constraint: Constraint, text: str | tuple[str, ...]) -> str:
     """The characters the grammar allows after `text` ("" if `text` itself was refused)."""
     guide = guide_for(Grammars(tok, tok.vocab_size), constraint)
-    ids = tok.encode(text, add_special_tokens=False)
+    pieces = (text,) if isinstance(text, str) else text
+    ids = [i for piece in pieces for i in tok.encode(piece, add_special_tokens=False)]
     guide.advance(ids)
     if guide.consumed < len(ids):
         return ""
@@ -90,3 +91,23 @@ def test_bad_tool_requests(tok: Tokenizer) -> None:
         with pytest.raises(RequestError, match=needle):
             plan_tools(tools, choice, None, tok, None)
     assert plan_tools([ADD], "none", None, tok, None).constraint is None
+
+
+def test_a_thinking_models_constraint_starts_after_the_reasoning(tok: Tokenizer) -> None:
+    thinker = char_tokenizer()
+    thinker.chat_template = "{{ messages }}<think>"
+    schema = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    plan = plan_tools(None, None, None, thinker, schema)
+    assert plan.reasoning and plan.constraint is not None and plan.constraint != schema
+
+    def allowed(*pieces: str) -> str:  # encoded piece by piece: this tokenizer splits no newline runs
+        return allowed_after(tok, plan.constraint, pieces)
+
+    assert allowed() == "<{"
+    assert len(allowed("<think>", "any {thoughts} at all")) > 90
+    assert allowed("<think>", "hm", "</think>") == "\n{"
+    assert allowed("<think>", "hm", "</think>", "\n", "\n") == "\n{"
+    assert allowed("<think>", "hm", "</think>", "\n", '{"a": ') == "-0123456789"
+    assert allowed('{"a": 1') == ",0123456789}"  # thinking is optional
+    assert allowed("<think>", "hm", "</think>", "x") == ""
+    assert plan_tools(None, None, None, tok, schema).constraint == schema  # no thinking: as given

@@ -8,6 +8,7 @@ the chat template (`families.family_of`) and returns a `ToolPlan`:
 - `constraint`: for tool_choice "required" or a named function, a grammar that admits only calls
   (of that function) whose arguments match its JSON schema; for "auto" (Hermes and generic forms),
   a grammar that leaves text free until the model opens a call, then holds it to the schema;
+- for a template that thinks (`<think>`), every constraint starts after the reasoning;
 - `parser()`: a fresh output parser for each choice (tool calls, and `<think>` reasoning when the
   template thinks).
 """
@@ -24,7 +25,7 @@ from twinfer.runtime.errors import RequestError
 from twinfer.runtime.tools.events import OutputParser, PlainText
 from twinfer.runtime.tools.families import auto_grammar, call_grammar, family_of, generic_messages, thinks
 from twinfer.runtime.tools.parsers import parser_for
-from twinfer.runtime.tools.reasoning import ReasoningParser
+from twinfer.runtime.tools.reasoning import ReasoningParser, after_thinking
 
 
 @dataclass
@@ -54,7 +55,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     reasoning = thinks(template)
     choice = _choice(tool_choice, bool(tools))
     if not tools or choice == "none":
-        return ToolPlan(reasoning=reasoning)
+        return ToolPlan(reasoning=reasoning, constraint=_thinking_first(constraint, reasoning))
     functions = _functions(tools)
     if isinstance(choice, dict):
         name = choice["name"]
@@ -77,7 +78,15 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     elif constraint is None:  # auto: a call the model opens is held to its function's schema
         grammar = auto_grammar(family, list(functions.values()))
         plan.constraint = Constraint("llguidance", grammar) if grammar else None
+    else:
+        plan.constraint = constraint
+    plan.constraint = _thinking_first(plan.constraint, reasoning)
     return plan
+
+
+def _thinking_first(constraint: Constraint | None, reasoning: bool) -> Constraint | None:
+    """A thinking model's constraint starts once its reasoning ends."""
+    return after_thinking(constraint) if constraint is not None and reasoning else constraint
 
 
 def _choice(tool_choice: str | dict[str, Any] | None, have_tools: bool) -> str | dict[str, Any]:

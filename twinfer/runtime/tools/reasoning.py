@@ -1,12 +1,16 @@
 """`<think>...</think>` reasoning split off the reply (DeepSeek-R1, Qwen 3 and their kin).
 
 The reasoning streams as `Delta.reasoning`; what follows `</think>` goes to the inner parser
-(content and tool calls). Templates that open the think block themselves (the prompt ends in
+(content and tool calls); `after_thinking` lets a constraint start where the reasoning ends.
+Templates that open the think block themselves (the prompt ends in
 `<think>`) start inside it: `started=True`.
 """
 
 from __future__ import annotations
 
+import json
+
+from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.tools.events import Delta, OutputParser, held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -56,3 +60,16 @@ class ReasoningParser:
             out.extend(self.inner.feed(self.buf))
         self.buf = ""
         return out.extend(self.inner.finish())
+
+
+# Free text inside an optional think block, then the newlines a model puts after it, then the answer.
+_THINK_FIRST = ('start: think? @answer\nthink: think_body NL*\n'
+                'think_body[lazy]: "<think>" /(.|\\n)*/ "</think>"\nNL: "\\n"\n')
+
+
+def after_thinking(constraint: Constraint) -> Constraint:
+    """`constraint` applied to the answer only: an optional <think>...</think> block before it is free."""
+    grammars = json.loads(constraint.grammar())["grammars"]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    return Constraint("llguidance", json.dumps({"grammars": [{"name": "thinking", "lark_grammar": _THINK_FIRST},
+                                                             *grammars]}))
