@@ -170,3 +170,16 @@ def test_every_alias_names_one_row_and_memory_options_apply() -> None:
         lookup("v100@lots", DEVICES, NODE_SHAPES)
     with pytest.raises(PlanError, match="comes with 16, 32 GB"):
         lookup("v100@24", DEVICES, NODE_SHAPES)
+
+
+def test_a_gpu_without_bf16_plans_f16_on_the_datacenter_target() -> None:
+    """V100 multiplies F16 only (the CUDA backend's native format before Ampere): a BF16 checkpoint runs as F16
+    weights with an F16 cache, rather than having no native plan at all."""
+    from twinfer.planners.catalog import find
+    from twinfer.planners.plan import make_plan
+    from twinfer.planners.search import Request
+
+    plan = make_plan(find("llama-3.1-8b").profile(), Cluster(DEVICES["v100-sxm2"]), Request(4096, 1)).to_json()
+    assert (plan["target"], plan["fits"], plan["weights_format"], plan["kv_format"]) == ("datacenter", True, "f16", "f16")
+    h100 = make_plan(find("llama-3.1-8b").profile(), Cluster(DEVICES["h100-sxm"]), Request(4096, 1, "auto", "bf16"))
+    assert h100.strategy is not None and h100.strategy.mix.name != "f16"  # BF16 GPUs keep BF16 (or smaller)

@@ -27,7 +27,7 @@ from twinfer.planners.formats import (
     mix,
     with_embed,
 )
-from twinfer.planners.hardware import APPLE, CPU, Cluster
+from twinfer.planners.hardware import APPLE, CPU, GPU, Cluster
 from twinfer.planners.memory import Memory, memory_for
 from twinfer.planners.model import ModelProfile, profile_from_spec
 from twinfer.runtime.errors import PlanError
@@ -104,7 +104,8 @@ def engine_for(m: Mix, cluster: Cluster, target: str) -> str:
 LOCAL_EQUIVALENT = {"bf16": "f16", "fp8": "q8_0", "mxfp4-moe": "gguf-mxfp4"}
 
 
-def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize: bool = False) -> list[Mix]:
+def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize: bool = False,
+                 half: str = "bf16") -> list[Mix]:
     """Formats worth trying: the published one (or the file as stored), and anything clearly smaller.
 
     Never a format bigger than the checkpoint (upcasting buys nothing), except FP8 and BF16 on a
@@ -112,6 +113,7 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
     requantization to about the same size (it compounds error for no bytes saved), except of a file
     that does not fit as stored, where any smaller file beats pruning or no plan; locally those include
     llama.cpp mixes that also requantize the embedding/output (`LOCAL_EMBED_BASES` x `EMBED_TYPES`).
+    `half` is the 16-bit float the GPU multiplies natively: `f16` on one without BF16 (Volta, Turing).
     """
     if requested not in ("auto", ""):
         if requested in ("stored", "native"):
@@ -136,18 +138,25 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
     smaller = [MIXES[n] for n in DATACENTER_MIXES if n != native.name and profile.weight_bytes(MIXES[n]) < limit]
     # Upcasts, for GPUs that cannot run the published format natively (MXFP4 experts on Hopper, FP8 on
     # Ampere): the search keeps them only where nothing native and smaller fits.
-    upcasts = [MIXES[n] for n in ("fp8", "bf16") if n != native.name and MIXES[n] not in smaller]
+    upcasts = [MIXES[n] for n in ("fp8", half) if n != native.name and MIXES[n] not in smaller]
     return [native, *smaller, *upcasts]
 
 
-def kv_formats(engine: str, requested: str, device_kind: str = "") -> list[KVFormat]:
-    """KV formats the engine's runner can hold (on a CPU, the torch runner keeps KV in f32 activations)."""
+def kv_formats(engine: str, requested: str, device_kind: str = "", half: str = "bf16") -> list[KVFormat]:
+    """KV formats the engine's runner can hold (on a CPU, the torch runner keeps KV in f32 activations;
+    on a GPU without BF16, its 16-bit cache is `half` = f16)."""
     if requested not in ("auto", ""):
         return [kv_format(requested)]
     if engine == "torch" and device_kind == CPU:
         return [KV_FORMATS["f32"]]
-    names = LLAMACPP_KV if engine == "llamacpp" else TENSOR_KV
+    names = LLAMACPP_KV if engine == "llamacpp" else tuple(half if n == "bf16" else n for n in TENSOR_KV)
     return [KV_FORMATS[n] for n in names]
+
+
+def half_dtype(cluster: Cluster) -> str:
+    """The 16-bit float a GPU's matrix units take: BF16 where they have it, else F16 (V100, T4)."""
+    natives = cluster.device.natives
+    return "f16" if cluster.device.kind == GPU and "bf16" not in natives and "f16" in natives else "bf16"
 
 
 def layouts(profile: ModelProfile, cluster: Cluster) -> list[tuple[int, int, int, int]]:
@@ -189,9 +198,10 @@ def enumerate_strategies(profile: ModelProfile, cluster: Cluster, request: Reque
                   and profile.touched_experts(request.concurrency) / moe.num_experts < 0.5)
     shares = [0.0] + (list(STREAM_SHARES) if streamable else [])
     prunes = PRUNE_SHARES if prune else (0.0,)
-    for m in weight_mixes(profile, target, request.weights_format, requantize):
+    half = half_dtype(cluster)
+    for m in weight_mixes(profile, target, request.weights_format, requantize, half):
         engine = engine_for(m, cluster, target)
-        for kv in kv_formats(engine, request.kv_format, cluster.device.kind):
+        for kv in kv_formats(engine, request.kv_format, cluster.device.kind, half):
             for tp, ep, pp, dp in layouts(profile, cluster):
                 for share in shares:
                     for p in prunes:
