@@ -12,7 +12,7 @@ pytest.importorskip("llguidance")
 from test_constraints import char_tokenizer  # noqa: E402
 
 from twinfer.runtime.constraints import Constraint, Grammars  # noqa: E402
-from twinfer.runtime.constraints.mask import allowed_rows, guide_for  # noqa: E402
+from twinfer.runtime.constraints.mask import guide_for, row_masks  # noqa: E402
 from twinfer.runtime.errors import RequestError  # noqa: E402
 from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
 from twinfer.runtime.tools.families import family_of  # noqa: E402
@@ -37,7 +37,7 @@ def allowed_after(tok: Tokenizer, constraint: Constraint, text: str | tuple[str,
     guide.advance(ids)
     if guide.consumed < len(ids):
         return ""
-    mask = allowed_rows([guide], tok.vocab_size)[0]
+    mask = row_masks([guide], tok.vocab_size)[0].bools()
     return "".join(tok.decode([i]) for i in mask.nonzero()[0] if not tok.is_special(int(i)))
 
 

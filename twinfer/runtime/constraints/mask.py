@@ -1,10 +1,12 @@
 """Allowed-token masks for a step's constrained rows, and the matcher bookkeeping around sampling.
 
-A `Guide` is one request's matcher plus the engine's counters. `allowed_rows` fills the bitmasks of
-every constrained row of a step in one parallel llguidance call; `apply` turns them into -inf on the
-logits. For a drafted decode, `draft_masks` gives the mask after each draft prefix, so the verifier
-sees the constrained distribution at every position (a draft token the grammar refuses is rejected,
-and the matcher is only advanced over the tokens the request emits).
+A `Guide` is one request's matcher plus the engine's counters. `row_masks` fills the bitmasks of
+every constrained row of a step in one parallel llguidance call. A `RowMask` stays packed: a greedy
+row tests the model's best tokens bit by bit and expands the mask over the vocabulary (262k entries
+for Gemma 3) only when none of them is allowed; sampled rows expand it. For a drafted decode,
+`draft_masks` gives the mask after each draft prefix, so the verifier sees the constrained
+distribution at every position (a draft token the grammar refuses is rejected, and the matcher is
+only advanced over the tokens the request emits).
 """
 
 from __future__ import annotations
@@ -55,54 +57,75 @@ class Guide:
         return self.done_at is not None and output_tokens >= self.done_at
 
 
-def _unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
-    """bool [R, vocab] from llguidance's int32 bitmask [R, ceil(n / 32)] (bit i of word j: token 32j+i)."""
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-    return bits[:, :vocab].astype(bool)
+class RowMask:
+    """One row's allowed tokens as llguidance packs them (bit i of word j: token 32j + i). Testing a
+    token is a bit lookup; the full [vocab] expansion is made only when a row needs it."""
+
+    def __init__(self, words: np.ndarray, vocab: int):
+        self.words = words  # int32 [ceil(n / 32)]
+        self.vocab = vocab
+
+    def allows(self, token: int) -> bool:
+        return token < 32 * len(self.words) and bool((int(self.words[token >> 5]) >> (token & 31)) & 1)
+
+    def bools(self) -> np.ndarray:
+        """bool [vocab]; a row that allows nothing allows everything (the matcher is in its error
+        state and the request ends on the next stop rule)."""
+        bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")[: self.vocab].view(bool)
+        return bits if bits.any() else np.ones(self.vocab, dtype=bool)
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of one row of logits with the refused tokens at -inf."""
+        return np.where(self.bools(), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def argmax(self, logits: np.ndarray, probe: int = 32) -> int:
+        """The most likely allowed token. The model's own choice is usually allowed, so the top few
+        are tested bit by bit before the row is expanded."""
+        best = int(np.argmax(logits))
+        if self.allows(best):
+            return best
+        top = np.argpartition(-logits, probe)[:probe]
+        for t in top[np.argsort(-logits[top], kind="stable")]:
+            if self.allows(int(t)):
+                return int(t)
+        return int(np.argmax(self.apply(logits)))
 
 
-def allowed_rows(guides: Sequence[Guide], vocab: int) -> np.ndarray:
-    """bool [len(guides), vocab]: the tokens each guide's grammar allows next."""
+def row_masks(guides: Sequence[Guide], vocab: int) -> list[RowMask]:
+    """The next-token masks of a step's constrained rows, filled in one parallel llguidance call."""
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
     grammars = guides[0].grammars
     started = time.perf_counter()
     bitmask = allocate_token_bitmask(len(guides), grammars.ll_tokenizer().vocab_size)
     fill_next_token_bitmask_par(grammars.executor(), [(g.matcher, i) for i, g in enumerate(guides)], bitmask)
-    allowed = _unpack(bitmask, vocab)
     _count(grammars.stats, len(guides), time.perf_counter() - started)
-    return allowed
+    return [RowMask(words, vocab) for words in bitmask]
 
 
-def draft_masks(guide: Guide, draft: Sequence[int], vocab: int) -> np.ndarray:
-    """bool [len(draft) + 1, vocab]: the mask before the draft and after each of its prefixes.
-    Rows past the first draft token the grammar refuses allow everything (the verifier stops there)."""
+def draft_masks(guide: Guide, draft: Sequence[int], vocab: int) -> list[RowMask]:
+    """The mask before the draft and after each of its prefixes, up to the first draft token the
+    grammar refuses (the verifier stops there; later rows are left unmasked)."""
     started = time.perf_counter()
     m = guide.matcher
-    rows = np.ones((len(draft) + 1, vocab), dtype=bool)
-    consumed = 0
+    masks: list[RowMask] = []
     for i in range(len(draft) + 1):
-        rows[i] = _single(m, vocab)
-        if i == len(draft) or m.is_stopped() or not rows[i][draft[i]]:
+        masks.append(RowMask(np.frombuffer(m.compute_bitmask(), dtype=np.int32), vocab))
+        if i == len(draft) or m.is_stopped() or not masks[-1].allows(int(draft[i])):
             break  # consuming a refused token would put the matcher in its error state for good
         m.consume_token(int(draft[i]))
-        consumed += 1
-    if consumed:
-        m.rollback(consumed)
-    _count(guide.stats, consumed + 1, time.perf_counter() - started)
-    return rows
+    if len(masks) > 1:
+        m.rollback(len(masks) - 1)
+    _count(guide.stats, len(masks), time.perf_counter() - started)
+    return masks
 
 
-def _single(matcher: Any, vocab: int) -> np.ndarray:
-    raw = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-    return np.unpackbits(raw, bitorder="little")[:vocab].astype(bool)
-
-
-def apply(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """A copy of `logits` with the disallowed tokens at -inf (a row allowing nothing keeps its logits:
-    the matcher is in an error state and the request is about to end)."""
-    dead = ~allowed.any(axis=-1, keepdims=True)
-    return np.where(allowed | dead, logits, -np.inf).astype(np.float32, copy=False)
+def timed_apply(guide: Guide, mask: RowMask, logits: np.ndarray) -> np.ndarray:
+    """`mask.apply`, its time counted with the mask work."""
+    started = time.perf_counter()
+    out = mask.apply(logits)
+    guide.stats.mask_seconds += time.perf_counter() - started
+    return out
 
 
 def _count(stats: ConstraintStats, rows: int, seconds: float) -> None:

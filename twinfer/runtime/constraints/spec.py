@@ -51,7 +51,7 @@ class Constraint:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: properties come out in it
 
     @classmethod
     def choice(cls, options: Any) -> Constraint:
