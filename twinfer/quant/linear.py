@@ -22,6 +22,7 @@ from twinfer.quant import affine, fp8, mxfp4, nvfp4
 from twinfer.quant.registry import FORMAT_INFO, FORMATS, pack_weight
 from twinfer.quant.turboquant import TQCodes, TQTensor, TurboQuant
 from twinfer.quant.turboquant_weight import TQWeight
+from twinfer.runtime.loaders.quantized import QUANT_METHOD, register_decoder
 
 FLOAT_FORMATS = ("f32", "f16", "bf16")  # tensors a quantized folder keeps unquantized
 _PACKED_TYPES: dict[str, type] = {
@@ -195,3 +196,7 @@ def tq_linear_parts(qw: TQWeight) -> TQLinearParts:
         scales.append((part.norms.astype(np.float32) / np.float32(np.sqrt(D))).reshape(out, G))
         centroids.append(q.codebook.centroids.astype(np.float32))
     return TQLinearParts(qw.shape, qw.block, *map(tuple, (channels, rotation, codes, scales, centroids)))
+
+
+# Quantized folders are read by the runtime's loader, which cannot import this layer: hand it the decoder.
+register_decoder(QUANT_METHOD, QuantizedWeight.from_tensors)

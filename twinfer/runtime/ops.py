@@ -1,7 +1,7 @@
 """The Ops interface: the operations an architecture's forward pass is written over.
 
 Model files in `runtime/models/` call these and nothing else that touches arrays, apart from
-`+`, `*` and `.reshape(...)`, which torch and MLX arrays both support. A backend (`backends/cuda`
+`+`, `*`, `.reshape(...)` and basic slicing (`x[..., :n]`), which torch and MLX arrays both support. A backend (`backends/cuda`
 with torch, `backends/metal` with MLX) implements Ops once and runs every architecture.
 
 Shapes: T is the number of tokens in the step (all sequences flattened), C the hidden size,
@@ -10,12 +10,24 @@ H/Hkv the query/KV heads, D the head dim, E the number of experts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.spec import MoESpec
 
 Array = Any  # a torch.Tensor or mx.array; the runtime never looks inside
+
+
+@dataclass(frozen=True)
+class ExpertExtras:
+    """The optional weights of an MoE layer, None where the architecture has none (see MoESpec)."""
+
+    router_bias: Array | None = None  # [E] added to the router logits
+    score_bias: Array | None = None  # [E] added to sigmoid scores for choosing experts only
+    gate_bias: Array | None = None  # [E, I]
+    up_bias: Array | None = None  # [E, I]
+    down_bias: Array | None = None  # [E, C]
 
 
 class StepContext(Protocol):
@@ -54,6 +66,11 @@ class Ops(Protocol):
         """RMS-normalize over the last axis, in float32, then multiply by `w`."""
         ...
 
+    def add_rms_norm(self, x: Array, delta: Array, w: Array, eps: float) -> tuple[Array, Array]:
+        """(x + delta, rms_norm(x + delta, w, eps)): a residual add and the next block's pre-norm,
+        which a backend may fuse into one kernel."""
+        ...
+
     def act(self, x: Array, kind: str) -> Array:
         """Elementwise activation: "silu" or "gelu_tanh"."""
         ...
@@ -63,14 +80,35 @@ class Ops(Protocol):
         ...
 
     def rope(self, x: Array, ctx: StepContext, layer: int) -> Array:
-        """Rotate [T, heads, D] by each token's position (NeoX half-split layout), layer's base."""
+        """Rotate [T, heads, D] by each token's position (NeoX half-split layout), layer's base.
+
+        Only the first `spec.rotary_dim` dims turn (partial rotary); the rest pass through."""
         ...
 
-    def attention(self, q: Array, k: Array, v: Array, ctx: StepContext, layer: int) -> Array:
+    def head_linear(self, x: Array, w: Array) -> Array:
+        """Per-head matrices: x [T, H, in] and w [H, out, in] -> [T, H, out] (MLA's absorbed projections)."""
+        ...
+
+    def attention(
+        self, q: Array, k: Array, v: Array, ctx: StepContext, layer: int, sinks: Array | None = None
+    ) -> Array:
         """Store k, v [T, Hkv, D] in layer's KV cache, then attend causally: q [T, H, D] -> [T, H, D].
 
         Each query sees its own sequence's keys up to its position, limited to the layer's sliding
-        window when it has one. Scale is the spec's attention_scale.
+        window when it has one. Scale is the spec's attention_scale. `sinks` [H] are per-head logits
+        that join every softmax's denominator and attend to nothing (gpt-oss).
+        """
+        ...
+
+    def latent_attention(
+        self, q: Array, q_rope: Array, latent: Array, k_rope: Array, ctx: StepContext, layer: int
+    ) -> Array:
+        """Multi-head latent attention (MLA) over a cache of one latent per token, shared by all heads.
+
+        Stores [latent, k_rope] per token (latent [T, R]: the normalized KV latent of rank
+        R = kv_lora_rank; k_rope [T, P]: the rotated key part) in layer's cache. q [T, H, R] are the
+        queries absorbed into latent space, q_rope [T, H, P] their rotated part. Scores are
+        q . latent + q_rope . k_rope; values are the latents: -> [T, H, R]. Causal, scaled like `attention`.
         """
         ...
 
@@ -83,8 +121,11 @@ class Ops(Protocol):
         down: Array,
         moe: MoESpec,
         act: str,
+        extras: ExpertExtras | None = None,
     ) -> Array:
-        """Routed experts: x [T, C]; router [E, C]; gate/up [E, I, C]; down [E, C, I] -> [T, C]."""
+        """Routed experts: x [T, C]; router [E, C]; gate/up [E, I, C]; down [E, C, I] -> [T, C].
+
+        Routing follows `moe` (see MoESpec); `extras` holds the biases an architecture adds."""
         ...
 
     def select_rows(self, x: Array, ctx: StepContext) -> Array:

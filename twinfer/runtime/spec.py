@@ -26,9 +26,20 @@ class MLASpec:
     v_head_dim: int
 
 
+SOFTMAX = "softmax"
+SIGMOID = "sigmoid"
+
+
 @dataclass(frozen=True)
 class MoESpec:
-    """Mixture-of-experts feed-forward: `num_experts` routed experts, `top_k` per token."""
+    """Mixture-of-experts feed-forward: `num_experts` routed experts, `top_k` per token.
+
+    Routing: `scoring` turns router logits into scores ("softmax" over all experts, or "sigmoid" per
+    expert as DeepSeek-V3 and GLM-4.5 do). Sigmoid routers choose with the scores plus a learned
+    per-expert bias (`score_bias`), first keeping the `topk_group` best of `n_group` expert groups
+    (a group scores the sum of its best two), then the top k; the chosen scores are renormalized
+    when `norm_topk_prob` and multiplied by `routed_scaling_factor`.
+    """
 
     num_experts: int
     top_k: int
@@ -38,10 +49,26 @@ class MoESpec:
     shared_intermediate_size: int = 0
     first_dense_layers: int = 0  # leading layers with a dense MLP instead of experts
     router_softmax_before_topk: bool = True  # softmax over all experts, then top-k (Qwen3, Mixtral*)
+    scoring: str = SOFTMAX
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False  # e_score_correction_bias: added to the scores for choosing only
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on every expert's gate, up and down projections (gpt-oss)
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit,
+    swiglu_alpha: float = 1.702  # then gate * sigmoid(alpha * gate) * (up + 1)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ModelError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+        if self.scoring not in (SOFTMAX, SIGMOID):
+            raise ModelError(f"router scoring {self.scoring!r} is not one of {SOFTMAX!r}, {SIGMOID!r}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ModelError(
+                f"{self.num_experts} experts in n_group={self.n_group} groups, keeping topk_group="
+                f"{self.topk_group}: the groups must divide the experts and keep 1..n_group of them"
+            )
 
 
 @dataclass(frozen=True)
@@ -74,6 +101,9 @@ class ModelSpec:
     qk_norm: bool = False
     embed_scale: bool = False  # Gemma multiplies embeddings by sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (default head_dim)
+    softmax_scale: float | None = None  # the attention scale itself, when a config fixes it (YaRN's mscale)
+    partial_rotary_factor: float = 1.0  # rope rotates the first head_dim * this dims of each head
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
     final_logit_softcap: float | None = None
     moe: MoESpec | None = None
     mla: MLASpec | None = None
@@ -100,7 +130,16 @@ class ModelSpec:
 
     @property
     def attention_scale(self) -> float:
+        if self.softmax_scale is not None:
+            return self.softmax_scale
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that rope rotates: MLA's rope part, else head_dim * partial_rotary_factor."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from twinfer.quant.linear import QuantizedWeight
 from twinfer.runtime.batch import StepBatch
-from twinfer.runtime.rope import inv_freq
-from twinfer.runtime.spec import ModelSpec, MoESpec
+from twinfer.runtime.ops import ExpertExtras
+from twinfer.runtime.rope import attention_factor, inv_freq
+from twinfer.runtime.spec import SIGMOID, ModelSpec, MoESpec
 
 
 @dataclass
@@ -64,20 +65,22 @@ class TorchOps:
         self.dtype = dtype
         self.block_size = block_size
         slots = num_blocks * block_size
-        shape = (slots, spec.num_kv_heads, spec.head_dim)
         mine = set(range(spec.num_layers) if layers is None else layers)
-        empty = torch.zeros((0, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=self.device)
 
-        def cache() -> list[torch.Tensor]:
-            return [torch.zeros(shape, dtype=dtype, device=self.device) if i in mine else empty
+        def cache(heads: int, dim: int) -> list[torch.Tensor]:
+            return [torch.zeros((slots if i in mine else 0, heads, dim), dtype=dtype, device=self.device)
                     for i in range(spec.num_layers)]
 
         # a TurboQuant KV format ("tq4", "tq2.5", "tq3-qjl") codes K/V per head (backends/cuda/quant.py)
         self.kv_quant = _tq_kv_caches(spec, kv_format, slots, self.device, dtype)
         if self.kv_quant:
             mine = set()
-        self.k_cache, self.v_cache = cache(), cache()
+        if spec.mla is not None:  # one latent per token, shared by the heads; no separate values
+            self.k_cache, self.v_cache = cache(1, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim), cache(1, 0)
+        else:
+            self.k_cache, self.v_cache = cache(spec.num_kv_heads, spec.head_dim), cache(spec.num_kv_heads, spec.head_dim)
         self._inv_freq = [torch.from_numpy(inv_freq(spec, i)).to(self.device) for i in range(spec.num_layers)]
+        self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
 
     @property
     def kv_bytes(self) -> int:
@@ -135,7 +138,8 @@ class TorchOps:
     def _decode_kernel_applies(self, batch: StepBatch) -> bool:
         """Pure decode on the triton path, with a head dim the kernel tiles (a power of two)."""
         D = self.spec.head_dim
-        return (self._k is not None and not self.kv_quant and D & (D - 1) == 0
+        plain = self.spec.mla is None and not self.spec.attention_sinks
+        return (self._k is not None and plain and not self.kv_quant and D & (D - 1) == 0
                 and all(len(c.tokens) == 1 for c in batch.chunks))
 
     def weight(self, name: str, value: Any) -> Any:
@@ -183,7 +187,14 @@ class TorchOps:
         return torch.tanh(x / cap) * cap
 
     def rope(self, x: torch.Tensor, ctx: TorchStep, layer: int) -> torch.Tensor:
-        cos, sin = self._rope_table(ctx, layer)  # [T, 1, D]
+        cos, sin = self._rope_table(ctx, layer)  # [T, 1, R]
+        R = cos.shape[-1]
+        if x.shape[-1] > R:  # partial rotary: the dims past R pass through
+            return torch.cat((self._rotate(x[..., :R], cos, sin), x[..., R:]), dim=-1)
+        return self._rotate(x, cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos + rotated * sin).to(x.dtype)
@@ -192,16 +203,23 @@ class TorchOps:
         inv = self._inv_freq[layer]
         key = ("rope", self.spec.rope_base(layer), self.spec.rope_scaling_for(layer) is not None)
         if key not in ctx.cache:
-            freqs = ctx.positions.float()[:, None] * inv[None, :]  # [T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-            ctx.cache[key] = torch.stack((emb.cos(), emb.sin()))
+            freqs = ctx.positions.float()[:, None] * inv[None, :]  # [T, R/2]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, R]
+            f = self._rope_factor[layer]
+            ctx.cache[key] = torch.stack((emb.cos() * f, emb.sin() * f)) if f != 1.0 else torch.stack((emb.cos(), emb.sin()))
         table = ctx.cache[key]
         return table[0], table[1]
 
+    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("thi,hoi->tho", x, w)
+
     # -- attention -----------------------------------------------------------------------------
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: TorchStep, layer: int
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: TorchStep, layer: int,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            return self._sink_attention(q, k, v, ctx, layer, sinks)
         if self.kv_quant:
             mask = self._mask(ctx, self.spec.window(layer))
             return self.kv_quant[layer].attention(q, k, v, ctx, mask, self.spec.attention_scale)
@@ -221,6 +239,40 @@ class TorchOps:
             Q, K, V, attn_mask=mask, scale=self.spec.attention_scale, enable_gqa=True
         )  # [B, H, Tq, D]
         return out.transpose(1, 2)[ctx.q_valid]  # [T, H, D]
+
+    def _sink_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: TorchStep, layer: int,
+                        sinks: torch.Tensor) -> torch.Tensor:
+        """Attention whose softmax also counts one learned logit per head (`sinks` [H]) that attends to nothing."""
+        if self.kv_quant:
+            raise ValueError("attention sinks do not run on a TurboQuant KV cache; use a dense KV format")
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache.index_copy_(0, ctx.slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.slots, v.to(v_cache.dtype))
+        H, Hkv = q.shape[1], k.shape[1]
+        Q = q[ctx.q_index].transpose(1, 2)  # [B, H, Tq, D]
+        K = k_cache[ctx.kv_slots].transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, L, D]
+        V = v_cache[ctx.kv_slots].transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+        scores = (Q @ K.transpose(-1, -2)) * self.spec.attention_scale  # [B, H, Tq, L]
+        scores = scores.masked_fill(~self._mask(ctx, self.spec.window(layer)), float("-inf"))
+        sink = sinks.reshape(1, H, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        return (probs @ V).transpose(1, 2)[ctx.q_valid]  # [T, H, D]
+
+    def latent_attention(self, q: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                         ctx: TorchStep, layer: int) -> torch.Tensor:
+        assert self.spec.mla is not None
+        if self.kv_quant:
+            raise ValueError("latent attention does not run on a TurboQuant KV cache; use a dense KV format")
+        cache = self.k_cache[layer]  # [slots, 1, R + P]
+        cache.index_copy_(0, ctx.slots, torch.cat((latent, k_rope), dim=-1)[:, None].to(cache.dtype))
+        Q = torch.cat((q, q_rope), dim=-1)[ctx.q_index].transpose(1, 2)  # [B, H, Tq, R + P]
+        K = cache[ctx.kv_slots].transpose(1, 2)  # [B, 1, L, R + P]
+        V = K[..., : self.spec.mla.kv_lora_rank]  # [B, 1, L, R]
+        mask = self._mask(ctx, self.spec.window(layer))
+        out = F.scaled_dot_product_attention(
+            Q, K, V, attn_mask=mask, scale=self.spec.attention_scale, enable_gqa=True
+        )  # [B, H, Tq, R]
+        return out.transpose(1, 2)[ctx.q_valid]  # [T, H, R]
 
     def _mask(self, ctx: TorchStep, window: int | None) -> torch.Tensor:
         key = ("mask", window)
@@ -244,16 +296,24 @@ class TorchOps:
         down: torch.Tensor,
         moe: MoESpec,
         act: str,
+        extras: ExpertExtras | None = None,
     ) -> torch.Tensor:
-        weights, experts = self.route(x, router, moe)
-        return self.experts(x, weights, experts, gate, up, down, act, first=0)
+        weights, experts = self.route(x, router, moe, extras)
+        return self.experts(x, weights, experts, gate, up, down, act, first=0, moe=moe, extras=extras)
 
-    def route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec, extras: ExpertExtras | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k expert ids [T, k] and their weights [T, k] (x's dtype)."""
-        probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
-        weights, experts = probs.topk(moe.top_k, dim=-1)  # [T, k]
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        logits = F.linear(x, router, extras.router_bias if extras else None).float()  # [T, E]
+        if moe.scoring == SIGMOID:
+            weights, experts = _sigmoid_route(logits, moe, extras.score_bias if extras else None)
+        else:
+            probs = F.softmax(logits, dim=-1)
+            weights, experts = probs.topk(moe.top_k, dim=-1)  # [T, k]
+            if moe.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
         return weights.to(x.dtype), experts
 
     def experts(
@@ -266,13 +326,17 @@ class TorchOps:
         down: torch.Tensor,
         act: str,
         first: int,
+        moe: MoESpec | None = None,
+        extras: ExpertExtras | None = None,
     ) -> torch.Tensor:
         """Sum of the routed experts held here (ids first .. first + len(gate)) over x [T, C].
 
         Dispatch: sort the (token, slot) pairs by expert; combine: index_add the weighted outputs.
         On the triton path one fused grouped GEMM does both, without waiting for the device.
+        `moe`/`extras` carry the expert biases and gpt-oss's clamped SwiGLU, which only the loop runs.
         """
-        if self._k is not None and all(isinstance(t, torch.Tensor) for t in (gate, up, down)):
+        plain = (moe is None or moe.swiglu_limit is None) and (extras is None or extras.gate_bias is None)
+        if plain and self._k is not None and all(isinstance(t, torch.Tensor) for t in (gate, up, down)):
             fused: torch.Tensor = self._k.fused_moe(x, gate, up, down, experts, weights, act, first=first)
             return fused
         out = torch.zeros_like(x)
@@ -288,10 +352,26 @@ class TorchOps:
             picks = order[start : start + n]
             start += n
             tok = picks // k
-            h = x[tok]
-            y = F.linear(self.act(F.linear(h, gate[e]), act) * F.linear(h, up[e]), down[e])
+            y = self._expert(x[tok], e, gate, up, down, act, first, moe, extras)
             out.index_add_(0, tok, y * weights.flatten()[picks, None])
         return out
+
+    def _expert(self, h: torch.Tensor, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
+                first: int, moe: MoESpec | None, extras: ExpertExtras | None) -> torch.Tensor:
+        """Local expert `e` over its tokens' rows h [n, C] -> [n, C]."""
+        def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if b is None else b[first + e]
+
+        xb = extras or ExpertExtras()
+        g = F.linear(h, gate[e], bias(xb.gate_bias))
+        u = F.linear(h, up[e], bias(xb.up_bias))
+        if moe is not None and moe.swiglu_limit is not None:  # gpt-oss
+            limit = moe.swiglu_limit
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            a = g * torch.sigmoid(g * moe.swiglu_alpha) * (u + 1)
+        else:
+            a = self.act(g, act) * u
+        return F.linear(a, down[e], bias(xb.down_bias))
 
     # -- output --------------------------------------------------------------------------------
     def select_rows(self, x: torch.Tensor, ctx: TorchStep) -> torch.Tensor:
@@ -299,6 +379,24 @@ class TorchOps:
 
     def to_host(self, x: torch.Tensor) -> np.ndarray:
         return x.float().cpu().numpy()
+
+
+def _sigmoid_route(logits: torch.Tensor, moe: MoESpec, score_bias: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, best groups, top-k by score + bias (see MoESpec)."""
+    T, E = logits.shape
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores if score_bias is None else scores + score_bias.float()
+    groups = choice.reshape(T, moe.n_group, E // moe.n_group)  # [T, G, E/G]
+    group_scores = groups.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+    best = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(E // moe.n_group, dim=1), 0.0)
+    experts = choice.topk(moe.top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, experts)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights, experts
 
 
 def _tq_kv_caches(

@@ -21,8 +21,9 @@ import numpy as np
 
 from twinfer.quant.linear import QuantizedWeight
 from twinfer.runtime.batch import StepBatch
-from twinfer.runtime.rope import inv_freq
-from twinfer.runtime.spec import ModelSpec, MoESpec
+from twinfer.runtime.ops import ExpertExtras
+from twinfer.runtime.rope import attention_factor, inv_freq
+from twinfer.runtime.spec import SIGMOID, ModelSpec, MoESpec
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -71,13 +72,18 @@ class MlxOps:
         self.spec = spec
         self.dtype = mlx_dtype(dtype)
         self.block_size = block_size
-        shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        slots = num_blocks * block_size
+        shape = (slots, spec.num_kv_heads, spec.head_dim)
+        v_shape = shape
+        if spec.mla is not None:  # one latent per token, shared by the heads; no separate values
+            shape, v_shape = (slots, 1, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim), (0, 1, 0)
         # a TurboQuant KV format ("tq4", "tq2.5", "tq3-qjl") codes K/V per head (backends/metal/quant.py)
-        self.kv_quant = _tq_kv_caches(spec, kv_format, shape[0], self.dtype)
+        self.kv_quant = _tq_kv_caches(spec, kv_format, slots, self.dtype)
         dense = 0 if self.kv_quant else spec.num_layers
         self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(dense)]
-        self.v_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(dense)]
+        self.v_cache = [mx.zeros(v_shape, dtype=self.dtype) for _ in range(dense)]
         self._inv_freq = [mx.array(inv_freq(spec, i)) for i in range(spec.num_layers)]
+        self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
         self._gather_mm_f32 = mx.default_device().type == mx.cpu
         mx.eval(self.k_cache, self.v_cache)
 
@@ -148,6 +154,10 @@ class MlxOps:
         # half inputs: the fused kernel rounds before the weight multiply; the contract does not
         return rms_norm_reference(x, w, eps)
 
+    def add_rms_norm(self, x: mx.array, delta: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        h = x + delta
+        return h, self.rms_norm(h, w, eps)
+
     def act(self, x: mx.array, kind: str) -> mx.array:
         if kind == "silu":
             return x * mx.sigmoid(x)
@@ -159,7 +169,14 @@ class MlxOps:
         return mx.tanh(x / cap) * cap
 
     def rope(self, x: mx.array, ctx: MlxStep, layer: int) -> mx.array:
-        cos, sin = self._rope_table(ctx, layer)  # [T, 1, D] each
+        cos, sin = self._rope_table(ctx, layer)  # [T, 1, R] each
+        R = cos.shape[-1]
+        if x.shape[-1] > R:  # partial rotary: the dims past R pass through
+            return mx.concatenate([self._rotate(x[..., :R], cos, sin), x[..., R:]], axis=-1)
+        return self._rotate(x, cos, sin)
+
+    @staticmethod
+    def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
         half = x.shape[-1] // 2
         rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return (x * cos + rotated * sin).astype(x.dtype)
@@ -167,14 +184,23 @@ class MlxOps:
     def _rope_table(self, ctx: MlxStep, layer: int) -> tuple[mx.array, mx.array]:
         key = ("rope", self.spec.rope_base(layer), self.spec.rope_scaling_for(layer) is not None)
         if key not in ctx.cache:
-            freqs = ctx.positions.astype(mx.float32)[:, None] * self._inv_freq[layer][None, :]  # [T, D/2]
-            emb = mx.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
-            ctx.cache[key] = mx.stack([mx.cos(emb), mx.sin(emb)])
+            freqs = ctx.positions.astype(mx.float32)[:, None] * self._inv_freq[layer][None, :]  # [T, R/2]
+            emb = mx.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, R]
+            f = self._rope_factor[layer]
+            cos, sin = mx.cos(emb), mx.sin(emb)
+            ctx.cache[key] = mx.stack([cos * f, sin * f] if f != 1.0 else [cos, sin])
         table = ctx.cache[key]
         return table[0], table[1]
 
+    def head_linear(self, x: mx.array, w: mx.array) -> mx.array:
+        # [H, T, in] @ [H, in, out] -> [H, T, out]
+        return (x.transpose(1, 0, 2) @ w.swapaxes(-1, -2)).transpose(1, 0, 2)
+
     # -- attention -----------------------------------------------------------------------------
-    def attention(self, q: mx.array, k: mx.array, v: mx.array, ctx: MlxStep, layer: int) -> mx.array:
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, ctx: MlxStep, layer: int,
+                  sinks: mx.array | None = None) -> mx.array:
+        if sinks is not None:
+            return self._sink_attention(q, k, v, ctx, layer, sinks)
         if self.kv_quant:
             mask = self._mask(ctx, self.spec.window(layer))
             return self.kv_quant[layer].attention(q, k, v, ctx, mask, self.spec.attention_scale)
@@ -191,6 +217,51 @@ class MlxOps:
         out = mx.fast.scaled_dot_product_attention(Q, K, V, scale=self.spec.attention_scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B * Tq, H, D)  # [B * Tq, H, D]
         return mx.take(out, ctx.q_flat, axis=0)  # [T, H, D]
+
+    def _store(self, layer: int, ctx: MlxStep, k: mx.array, v: mx.array | None) -> tuple[mx.array, mx.array]:
+        """Write the step's keys (and values) into layer's cache; the caches after the write."""
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache[ctx.slots] = k.astype(k_cache.dtype)
+        if v is not None:
+            v_cache[ctx.slots] = v.astype(v_cache.dtype)
+        self.k_cache[layer], self.v_cache[layer] = k_cache, v_cache
+        return k_cache, v_cache
+
+    def _sink_attention(self, q: mx.array, k: mx.array, v: mx.array, ctx: MlxStep, layer: int,
+                        sinks: mx.array) -> mx.array:
+        """Attention whose softmax also counts one learned logit per head (`sinks` [H]) that attends to nothing."""
+        if self.kv_quant:
+            raise ValueError("attention sinks do not run on a TurboQuant KV cache; use a dense KV format")
+        T, H, D = q.shape
+        k_cache, v_cache = self._store(layer, ctx, k, v)
+        rep = H // k.shape[1]
+        B, Tq = ctx.q_index.shape
+        Q = mx.take(q, ctx.q_index, axis=0).transpose(0, 2, 1, 3)  # [B, H, Tq, D]
+        K = mx.repeat(mx.take(k_cache, ctx.kv_slots, axis=0).transpose(0, 2, 1, 3), rep, axis=1)  # [B, H, L, D]
+        V = mx.repeat(mx.take(v_cache, ctx.kv_slots, axis=0).transpose(0, 2, 1, 3), rep, axis=1)
+        scores = (Q @ K.swapaxes(-1, -2)) * self.spec.attention_scale  # [B, H, Tq, L]
+        scores = mx.where(self._mask(ctx, self.spec.window(layer)), scores, -mx.inf)
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, H, 1, 1), (*scores.shape[:-1], 1))
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :-1]
+        out = (probs @ V).transpose(0, 2, 1, 3).reshape(B * Tq, H, D)
+        return mx.take(out, ctx.q_flat, axis=0)  # [T, H, D]
+
+    def latent_attention(self, q: mx.array, q_rope: mx.array, latent: mx.array, k_rope: mx.array, ctx: MlxStep,
+                         layer: int) -> mx.array:
+        assert self.spec.mla is not None
+        if self.kv_quant:
+            raise ValueError("latent attention does not run on a TurboQuant KV cache; use a dense KV format")
+        T, H, R = q.shape
+        cache, _ = self._store(layer, ctx, mx.concatenate([latent, k_rope], axis=-1)[:, None], None)  # [slots, 1, R+P]
+        B, Tq = ctx.q_index.shape
+        Qc = mx.concatenate([q, q_rope], axis=-1)
+        Q = mx.take(Qc, ctx.q_index, axis=0).transpose(0, 2, 1, 3)  # [B, H, Tq, R + P]
+        K = mx.take(cache, ctx.kv_slots, axis=0).transpose(0, 2, 1, 3)  # [B, 1, L, R + P]
+        scores = (Q @ K.swapaxes(-1, -2)) * self.spec.attention_scale  # [B, H, Tq, L]
+        scores = mx.where(self._mask(ctx, self.spec.window(layer)), scores, -mx.inf)
+        out = mx.softmax(scores, axis=-1, precise=True) @ K[..., :R]  # [B, H, Tq, R]
+        out = out.transpose(0, 2, 1, 3).reshape(B * Tq, H, R)
+        return mx.take(out, ctx.q_flat, axis=0)  # [T, H, R]
 
     def _mask(self, ctx: MlxStep, window: int | None) -> mx.array:
         key = ("mask", window)
@@ -214,8 +285,10 @@ class MlxOps:
         down: mx.array,
         moe: MoESpec,
         act: str,
+        extras: ExpertExtras | None = None,
     ) -> mx.array:
-        weights, experts = self._route(x, router, moe)  # [T, k] each
+        xb = extras or ExpertExtras()
+        weights, experts = self._route(x, router, moe, xb)  # [T, k] each
         T, C = x.shape
         k = moe.top_k
         h = x.reshape(T, 1, 1, C)
@@ -227,9 +300,19 @@ class MlxOps:
         else:
             idx = experts
         srt = order is not None
-        g = self._gather_mm(h, gate.swapaxes(-1, -2), idx, srt)  # [T, k, 1, I] or sorted [T*k, 1, I]
-        u = self._gather_mm(h, up.swapaxes(-1, -2), idx, srt)
-        y = self._gather_mm(self.act(g, act) * u, down.swapaxes(-1, -2), idx, srt)  # [.., 1, C]
+
+        def bias(y: mx.array, b: mx.array | None) -> mx.array:
+            return y if b is None else y + mx.take(b, idx, axis=0)[..., None, :]
+
+        g = bias(self._gather_mm(h, gate.swapaxes(-1, -2), idx, srt), xb.gate_bias)  # [T, k, 1, I] or [T*k, 1, I]
+        u = bias(self._gather_mm(h, up.swapaxes(-1, -2), idx, srt), xb.up_bias)
+        if moe.swiglu_limit is not None:  # gpt-oss
+            lim = moe.swiglu_limit
+            g, u = mx.minimum(g, lim), mx.clip(u, -lim, lim)
+            a = g * mx.sigmoid(g * moe.swiglu_alpha) * (u + 1)
+        else:
+            a = self.act(g, act) * u
+        y = bias(self._gather_mm(a, down.swapaxes(-1, -2), idx, srt), xb.down_bias)  # [.., 1, C]
         if order is not None:
             y = mx.take(y, mx.argsort(order), axis=0)
         y = y.reshape(T, k, C)
@@ -244,15 +327,23 @@ class MlxOps:
             return out.astype(a.dtype)
         return mx.gather_mm(a, b, rhs_indices=idx, sorted_indices=srt)
 
-    def _route(self, x: mx.array, router: mx.array, moe: MoESpec) -> tuple[mx.array, mx.array]:
-        """Softmax router in float32, top-k (unordered), renormalized when the spec says so."""
-        probs = mx.softmax((x @ router.T).astype(mx.float32), axis=-1, precise=True)  # [T, E]
+    def _route(self, x: mx.array, router: mx.array, moe: MoESpec, extras: ExpertExtras | None = None
+               ) -> tuple[mx.array, mx.array]:
+        """Router in float32, top-k (unordered): softmax renormalized when the spec says so, or sigmoid."""
+        xb = extras or ExpertExtras()
+        logits = self.linear(x, router, xb.router_bias).astype(mx.float32)  # [T, E]
         k = moe.top_k
-        experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]
-        weights = mx.take_along_axis(probs, experts, axis=-1)
-        # softmax over the top-k logits (router_softmax_before_topk=False) is the same renormalization
-        if moe.norm_topk_prob or not moe.router_softmax_before_topk:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+        if moe.scoring == SIGMOID:
+            weights, experts = _sigmoid_route(logits, moe, xb.score_bias)
+        else:
+            probs = mx.softmax(logits, axis=-1, precise=True)  # [T, E]
+            experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]
+            weights = mx.take_along_axis(probs, experts, axis=-1)
+            # softmax over the top-k logits (router_softmax_before_topk=False) is the same renormalization
+            if moe.norm_topk_prob or not moe.router_softmax_before_topk:
+                weights = weights / weights.sum(axis=-1, keepdims=True)
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
         return weights.astype(x.dtype), experts
 
     # -- output --------------------------------------------------------------------------------
@@ -264,6 +355,23 @@ class MlxOps:
         coded = [a for c in self.kv_quant for a in c.arrays()]
         mx.eval(out, self.k_cache, self.v_cache, coded)  # the step's one wait: logits and KV writes together
         return np.array(out, copy=True)
+
+
+def _sigmoid_route(logits: mx.array, moe: MoESpec, score_bias: mx.array | None) -> tuple[mx.array, mx.array]:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, best groups, top-k by score + bias (see MoESpec)."""
+    T, E = logits.shape
+    per = E // moe.n_group
+    scores = mx.sigmoid(logits)  # [T, E]
+    choice = scores if score_bias is None else scores + score_bias.astype(mx.float32)
+    group_scores = mx.sort(choice.reshape(T, moe.n_group, per), axis=-1)[..., -2:].sum(axis=-1)  # [T, G]
+    best = mx.argpartition(-group_scores, kth=moe.topk_group - 1, axis=-1)[:, : moe.topk_group]
+    keep = mx.put_along_axis(mx.zeros(group_scores.shape, dtype=mx.bool_), best, mx.array(True), axis=-1)
+    choice = mx.where(mx.repeat(keep, per, axis=1), choice, 0.0)
+    experts = mx.argpartition(-choice, kth=moe.top_k - 1, axis=-1)[:, : moe.top_k]  # [T, k]
+    weights = mx.take_along_axis(scores, experts, axis=-1)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights, experts
 
 
 def rms_norm_reference(x: mx.array, w: mx.array, eps: float) -> mx.array:

@@ -1,29 +1,27 @@
 """GGUF files (llama.cpp): metadata -> ModelSpec, tensors -> WeightSet (dequantized on access).
 
-Conventions of llama.cpp's converter that this undoes or reads:
-- llama/mistral Q and K rows are permuted for interleaved rope (un-permuted in `names.py`);
-- Gemma 3 norm weights already include Gemma's +1; local (sliding) layers use rope base 10000 and
-  every 6th layer is global (llama.cpp `set_swa_pattern(6)`);
-- Mixtral is stored as architecture "llama" with `llama.expert_count`.
+The metadata every llama.cpp decoder writes (`{arch}.block_count`, `.attention.head_count`, ...)
+is read here; the architecture's file (`runtime/models/`) undoes its converter's conventions (a
+rope permutation, a norm offset, a layer pattern) through its GGUF name table and `gguf_spec`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from twinfer.runtime.errors import ModelError, UnsupportedArchitecture, WeightError
 from twinfer.runtime.loaders.gguf_reader import GGUFContents, TensorInfo, ggml_type_name
-from twinfer.runtime.loaders.names import GGUF_TABLES, map_weights
+from twinfer.runtime.loaders.names import map_weights
 from twinfer.runtime.loaders.weights import FLOAT_STORAGE, Region, WeightSet, widen
-from twinfer.runtime.models import GGUF_ARCHS
-from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
+from twinfer.runtime.models import GGUF_ARCHS, gguf_architecture, model_for
+from twinfer.runtime.spec import ModelSpec, MoESpec
 
-GEMMA3_SWA_PATTERN = 6  # llama.cpp: layer i is global iff i % 6 == 5
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
+if TYPE_CHECKING:
+    from twinfer.runtime.models.arch import Architecture
 
 
 @dataclass(frozen=True)
@@ -84,44 +82,46 @@ def load_gguf(path: Path) -> tuple[ModelSpec, WeightSet, dict[str, Any]]:
     """Parse `path`, derive its ModelSpec and map its tensors; returns (spec, weights, metadata)."""
     contents = read_gguf(path)
     spec = spec_from_gguf(contents)
-    arch = contents.metadata["general.architecture"]
+    table = _architecture(contents).gguf_names
+    assert table is not None  # _architecture refuses architectures without a GGUF table
     stored = {
         name: GGUFTensor(name, path, info.shape, ggml_type_name(info.ggml_type), info.nbytes, info, contents)
         for name, info in contents.tensors.items()
     }
-    weights = map_weights(spec, GGUF_TABLES[arch], stored, str(path))
+    weights = map_weights(spec, table, stored, str(path), model_for(spec).weight_shapes())
     return spec, weights, dict(contents.metadata)
+
+
+def _architecture(contents: GGUFContents) -> Architecture:
+    arch_name = contents.metadata.get("general.architecture")
+    arch = gguf_architecture(arch_name)
+    if arch is None or arch.gguf_names is None:
+        known = ", ".join(sorted(GGUF_ARCHS))
+        raise UnsupportedArchitecture(
+            f"{contents.path}: GGUF architecture {arch_name!r} is not supported; twinfer reads {known}"
+        )
+    return arch
 
 
 def spec_from_gguf(contents: GGUFContents) -> ModelSpec:
     """The ModelSpec described by a GGUF file's metadata (and, where metadata is silent, its tensors)."""
+    arch = _architecture(contents)
     meta, path = contents.metadata, contents.path
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS or arch not in GGUF_TABLES:
-        known = ", ".join(sorted(GGUF_ARCHS))
-        raise UnsupportedArchitecture(
-            f"{path}: GGUF architecture {arch!r} is not supported; twinfer reads {known}"
-        )
-    k = _Keys(meta, arch, path)
+    k = GGUFKeys(meta, meta["general.architecture"], path)
     tensors = contents.tensors
     hidden, n_heads = k.int("embedding_length"), k.int("attention.head_count")
     head_dim = k.int("attention.key_length", hidden // n_heads)
     if k.int("attention.value_length", head_dim) != head_dim:
         raise UnsupportedArchitecture(f"{path}: key and value head sizes differ, which twinfer does not run")
-    n_layers = k.int("block_count")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise WeightError(f"missing tensor 'token_embd.weight' in {path}; the file is not a complete model")
-    expert_count = k.int("expert_count", 0)
-    model_type = GGUF_ARCHS[arch]
-    if arch in ("llama", "mistral") and expert_count:
-        model_type = "mixtral"
-    spec = dict(
-        model_type=model_type,
+    fields: dict[str, Any] = dict(
+        model_type=arch.name,
         name=str(meta.get("general.name") or path.stem),
         vocab_size=embed.shape[0],
         hidden_size=hidden,
-        num_layers=n_layers,
+        num_layers=k.int("block_count"),
         num_heads=n_heads,
         num_kv_heads=k.int("attention.head_count_kv", n_heads),
         head_dim=head_dim,
@@ -134,45 +134,28 @@ def spec_from_gguf(contents: GGUFContents) -> ModelSpec:
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         final_logit_softcap=k.float("final_logit_softcapping", 0.0) or None,
-        moe=_moe(k, arch, expert_count),
+        moe=_moe(k),
     )
-    if arch == "gemma3":
-        spec |= _gemma3(k, n_layers, hidden, n_heads, head_dim)
-    return ModelSpec(**spec)  # type: ignore[arg-type]
+    if arch.gguf_spec is not None:
+        fields = arch.gguf_spec(k, fields)
+    return ModelSpec(**fields)
 
 
-def _gemma3(k: _Keys, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
-    window = k.int("attention.sliding_window", 0)
-    out: dict[str, Any] = dict(hidden_act="gelu_tanh", embed_scale=True)
-    # llama.cpp: 27B (62 layers) scales queries by hidden/heads, the others by the head size.
-    out["query_pre_attn_scalar"] = float(hidden // n_heads if n_layers == 62 else head_dim)
-    if window > 0:
-        out["sliding_window"] = window
-        out["rope_local_theta"] = GEMMA3_LOCAL_ROPE_BASE
-        out["layer_types"] = tuple(
-            FULL if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else SLIDING for i in range(n_layers)
-        )
-        # a per-layer pattern (llama.cpp load_swa_pattern), as pruned files write it: true = sliding
-        pattern = k.meta.get("gemma3.attention.sliding_window_pattern")
-        if isinstance(pattern, list) and len(pattern) == n_layers:
-            out["layer_types"] = tuple(SLIDING if p else FULL for p in pattern)
-    return out
-
-
-def _moe(k: _Keys, arch: str, expert_count: int) -> MoESpec | None:
+def _moe(k: GGUFKeys) -> MoESpec | None:
+    expert_count = k.int("expert_count", 0)
     if not expert_count:
         return None
     if k.int("expert_shared_count", 0):
-        raise UnsupportedArchitecture(f"{k.path}: shared experts are not supported for GGUF {arch!r}")
+        raise UnsupportedArchitecture(f"{k.path}: shared experts are not supported for GGUF {k.arch!r}")
     return MoESpec(
         num_experts=expert_count,
         top_k=k.int("expert_used_count"),
         expert_intermediate_size=k.int("expert_feed_forward_length", k.int("feed_forward_length")),
-        norm_topk_prob=bool(k.meta.get(f"{arch}.expert_weights_norm", True)),
+        norm_topk_prob=bool(k.meta.get(f"{k.arch}.expert_weights_norm", True)),
     )
 
 
-def _rope_scaling(k: _Keys) -> tuple[tuple[str, Any], ...] | None:
+def _rope_scaling(k: GGUFKeys) -> tuple[tuple[str, Any], ...] | None:
     kind = k.meta.get(f"{k.arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -183,7 +166,7 @@ def _rope_scaling(k: _Keys) -> tuple[tuple[str, Any], ...] | None:
     return tuple(sorted(items.items()))
 
 
-class _Keys:
+class GGUFKeys:
     """Typed access to `{arch}.*` metadata with errors that name the file and key."""
 
     def __init__(self, meta: dict[str, Any], arch: str, path: Path) -> None:

@@ -1,22 +1,26 @@
 """Hugging Face model folders: config.json -> ModelSpec, safetensors (single or sharded) -> WeightSet.
 
 Reads configs written by transformers 4 (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`,
-per layer type for Gemma 3). Keys a config leaves out take the transformers class defaults below,
-which matters for Gemma 3 multimodal configs whose `text_config` lists only what differs.
+per layer type). The fields every decoder has are read here; the architecture's file
+(`runtime/models/<model_type>.py`) supplies its config defaults (keys a config may leave out take
+the transformers class defaults), its own fields and its name table.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinfer.runtime.errors import ModelError, UnsupportedArchitecture
-from twinfer.runtime.loaders.names import HF_TABLES, map_weights
+from twinfer.runtime.loaders.names import map_weights
 from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor, read_safetensors
 from twinfer.runtime.loaders.weights import WeightSet
-from twinfer.runtime.models import MODEL_TYPES, supported_types
-from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
+from twinfer.runtime.models import architecture, model_for, supported_types
+from twinfer.runtime.spec import FULL, SLIDING, ModelSpec
+
+if TYPE_CHECKING:  # the architecture files import the loaders' name machinery
+    from twinfer.runtime.models.arch import Architecture, Fields
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -28,24 +32,7 @@ _BASE_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
     "sliding_window": None,
 }
-# transformers' config-class defaults for the keys read here (transformers 5.24).
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma3": {
-        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-        "max_position_embeddings": 131072, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
-        "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh",
-    },
-    "llama": {"vocab_size": 32000, "max_position_embeddings": 2048},
-    "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "sliding_window": 4096},
-    "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768, "attention_bias": True},
-    "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768},
-    "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "norm_topk_prob": False},
-    "mixtral": {"vocab_size": 32000, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-                "rope_theta": 1_000_000.0},
-}  # fmt: skip
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def load_hf(folder: Path) -> tuple[ModelSpec, WeightSet, dict[str, Any]]:
@@ -53,8 +40,10 @@ def load_hf(folder: Path) -> tuple[ModelSpec, WeightSet, dict[str, Any]]:
     config = read_config(folder)
     spec = spec_from_config(config, name=folder.name)
     stored = stored_tensors(folder)
-    table = HF_TABLES[_family(config)]
-    return spec, map_weights(spec, table, stored, str(folder)), config
+    arch = _architecture(config)
+    expected = model_for(spec).weight_shapes()
+    skip = arch.hf_skip(arch.hf_config(config) if arch.hf_config else config) if arch.hf_skip else ()
+    return spec, map_weights(spec, arch.hf_names, stored, str(folder), expected, skip), config
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -73,37 +62,44 @@ def read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def _family(config: dict[str, Any]) -> str:
-    """The key of HF_TABLES / _DEFAULTS: the model_type with Gemma 3's text and multimodal merged."""
+def _architecture(config: dict[str, Any]) -> Architecture:
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
+    arch = architecture(model_type)
+    if arch is None:
         raise UnsupportedArchitecture(
             f"unsupported model_type {model_type!r} in config.json; twinfer runs {', '.join(supported_types())}"
         )
-    return "gemma3" if model_type in ("gemma3", "gemma3_text") else str(model_type)
+    return arch
 
 
 def spec_from_config(config: dict[str, Any], name: str = "") -> ModelSpec:
     """The ModelSpec of a transformers config.json dict."""
-    family = _family(config)
-    text = config.get("text_config") if config.get("model_type") == "gemma3" else None
-    c = {**_BASE_DEFAULTS, **_DEFAULTS[family], **(text or config)}
-    if "hidden_activation" in c:  # Gemma's name for hidden_act
-        c["hidden_act"] = c["hidden_activation"]
-    heads, hidden, n_layers = (
-        int(c["num_attention_heads"]),
-        int(c["hidden_size"]),
-        int(c["num_hidden_layers"]),
-    )
+    arch = _architecture(config)
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict):  # published pre-quantized layouts: not read by this loader
+        raise UnsupportedArchitecture(
+            f"config.json quantization_config.quant_method {quant.get('quant_method')!r} is not supported; "
+            "use the unquantized checkpoint, or a folder written by twinfer quantize"
+        )
+    text = arch.hf_config(config) if arch.hf_config else config
+    c = {**_BASE_DEFAULTS, **arch.hf_defaults, **text}
+    fields = common_fields(c)
+    if arch.hf_spec is not None:
+        fields = arch.hf_spec(c, fields)
+    if "sliding_window" not in fields:
+        fields["sliding_window"] = int(c["sliding_window"]) if SLIDING in fields["layer_types"] else None
+    return ModelSpec(model_type=arch.name, name=name, **fields)
+
+
+def common_fields(c: dict[str, Any]) -> Fields:
+    """The spec fields every decoder's config spells the same way (layer types only when listed)."""
+    heads, hidden, n_layers = int(c["num_attention_heads"]), int(c["hidden_size"]), int(c["num_hidden_layers"])
     rope_theta, local_theta, rope_scaling = _rope(c)
-    layer_types = _layer_types(c, family, n_layers)
-    act = _ACTIVATIONS.get(str(c["hidden_act"]))
+    act = ACTIVATIONS.get(str(c["hidden_act"]))
     if act is None:
         raise UnsupportedArchitecture(f"hidden activation {c['hidden_act']!r} is not supported")
     softcap = c.get("final_logit_softcapping")
-    return ModelSpec(
-        model_type="gemma3" if family == "gemma3" else family,
-        name=name,
+    return dict(
         vocab_size=int(c["vocab_size"]),
         hidden_size=hidden,
         num_layers=n_layers,
@@ -116,16 +112,12 @@ def spec_from_config(config: dict[str, Any], name: str = "") -> ModelSpec:
         rope_theta=rope_theta,
         rope_local_theta=local_theta,
         rope_scaling=rope_scaling,
-        sliding_window=int(c["sliding_window"]) if SLIDING in layer_types else None,
-        layer_types=layer_types,
+        partial_rotary_factor=_partial_rotary(c),
+        layer_types=_listed_layer_types(c, n_layers),
         hidden_act=act,
         tie_word_embeddings=bool(c["tie_word_embeddings"]),
         attention_bias=bool(c["attention_bias"]),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
-        embed_scale=family == "gemma3",
-        query_pre_attn_scalar=float(c["query_pre_attn_scalar"]) if family == "gemma3" else None,
         final_logit_softcap=float(softcap) if softcap else None,
-        moe=_moe(c, family, n_layers),
     )
 
 
@@ -142,7 +134,7 @@ def _rope(c: dict[str, Any]) -> tuple[float, float | None, tuple[tuple[str, Any]
         if "rope_local_base_freq" in c:
             local = float(c["rope_local_base_freq"])
     theta = float(params.get("rope_theta", c["rope_theta"]))
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     if "type" in scaling:  # the old spelling of rope_type
         scaling.setdefault("rope_type", scaling.pop("type"))
     if scaling.get("rope_type", "default") == "default":
@@ -151,41 +143,23 @@ def _rope(c: dict[str, Any]) -> tuple[float, float | None, tuple[tuple[str, Any]
     return theta, local, frozen
 
 
-def _layer_types(c: dict[str, Any], family: str, n_layers: int) -> tuple[str, ...]:
+def _partial_rotary(c: dict[str, Any]) -> float:
+    """The share of each head that rope turns (transformers 5 keeps it in `rope_parameters`)."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and FULL in params:
+        params = params[FULL]
+    value = (params if isinstance(params, dict) else {}).get("partial_rotary_factor")
+    return float(value if value is not None else c.get("partial_rotary_factor", 1.0))
+
+
+def _listed_layer_types(c: dict[str, Any], n_layers: int) -> tuple[str, ...]:
+    """The config's `layer_types`, () when it lists none or only full layers (as from a GGUF file)."""
     types = c.get("layer_types")
-    if types:
-        if len(types) != n_layers or set(types) - {FULL, SLIDING}:
-            raise ModelError(f"config layer_types {types} do not fit {n_layers} full/sliding layers")
-        return tuple(types) if SLIDING in types else ()  # () means all full, as from a GGUF file
-    window = c.get("sliding_window")
-    if family == "gemma3":
-        pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
-        return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n_layers))
-    if family in ("mistral", "mixtral") and window:  # every layer slides (Mistral 7B v0.1)
-        return (SLIDING,) * n_layers
-    if c.get("use_sliding_window") and window:  # Qwen: layers from max_window_layers on slide
-        first = int(c.get("max_window_layers", 0))
-        return tuple(SLIDING if i >= first else FULL for i in range(n_layers))
-    return ()
-
-
-def _moe(c: dict[str, Any], family: str, n_layers: int) -> MoESpec | None:
-    if family == "mixtral":
-        experts = c.get("num_local_experts", c.get("num_experts", 8))
-        return MoESpec(int(experts), int(c.get("num_experts_per_tok", 2)), int(c["intermediate_size"]), True)
-    if family != "qwen3_moe":
-        return None
-    if c.get("mlp_only_layers") or int(c.get("decoder_sparse_step", 1)) != 1:
-        raise UnsupportedArchitecture(
-            "qwen3_moe configs with dense layers (mlp_only_layers / decoder_sparse_step) are not supported"
-        )
-    experts = c.get("num_experts", c.get("num_local_experts", 128))
-    return MoESpec(
-        num_experts=int(experts),
-        top_k=int(c.get("num_experts_per_tok", 8)),
-        expert_intermediate_size=int(c.get("moe_intermediate_size", 768)),
-        norm_topk_prob=bool(c["norm_topk_prob"]),
-    )
+    if not types:
+        return ()
+    if len(types) != n_layers or set(types) - {FULL, SLIDING}:
+        raise ModelError(f"config layer_types {types} do not fit {n_layers} full/sliding layers")
+    return tuple(types) if SLIDING in types else ()
 
 
 def stored_tensors(folder: Path) -> dict[str, SafetensorsTensor]:

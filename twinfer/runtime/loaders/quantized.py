@@ -6,14 +6,18 @@ measured at (`kl`). In model.safetensors a quantized weight `NAME` is stored as 
 `NAME.<part>` (codes, scales, norms... as `quant.linear.QuantizedWeight.to_tensors` names them);
 every other tensor is stored under its canonical name in F32 or F16.
 
-Loading gives a `WeightSet` whose `load` returns a `QuantizedWeight` for quantized names (backends
-run those natively) and float32 arrays for the rest.
+Loading gives a `WeightSet` whose `load` returns float32 arrays for plain names and, for quantized
+ones, what the format layer's decoder makes of the stored parts: `twinfer.quant.linear` registers
+`QuantizedWeight.from_tensors` here when it is imported (the runtime never imports it), so any
+code that can use a `QuantizedWeight` gets one. Without a decoder a quantized name loads as its
+`PackedWeight` parts.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,26 @@ RAW_DTYPES: dict[str, str] = {
     "F32": "<f4", "F16": "<f2", "U8": "u1", "I8": "i1", "U16": "<u2", "I16": "<i2", "U32": "<u4",
     "I32": "<i4", "I64": "<i8",
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A quantized weight as the folder stores it: its metadata (`format`, `shape`, ...) and named parts."""
+
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+
+
+Decoder = Callable[[dict[str, Any], dict[str, np.ndarray]], Any]
+_DECODERS: dict[str, Decoder] = {}
+
+
+def register_decoder(method: str, decode: Decoder) -> None:
+    """Let the layer that owns the formats turn stored parts into its weight objects (idempotent).
+
+    Called once, at import, by `twinfer.quant.linear` for `quant_method` "twinfer".
+    """
+    _DECODERS[method] = decode
 
 
 def is_quantized_folder(folder: Path) -> bool:
@@ -102,14 +126,16 @@ class QuantizedWeightSet(WeightSet):
         super().__init__(spec, entries)
 
     def load(self, name: str) -> Any:  # type: ignore[override]
-        """float32 array, or a `quant.linear.QuantizedWeight` for a quantized tensor."""
+        """float32 array; for a quantized tensor the registered decoder's object (a QuantizedWeight),
+        or its `PackedWeight` parts when no decoder is registered."""
         if name not in self._qmeta:
             return super().load(name)
-        from twinfer.quant.linear import QuantizedWeight
-
         arrays = {part: read_raw(t) for part, t in self._parts[name].items()}
+        decode = _DECODERS.get(QUANT_METHOD)
+        if decode is None:
+            return PackedWeight(dict(self._qmeta[name]), arrays)
         try:
-            return QuantizedWeight.from_tensors(self._qmeta[name], arrays)
+            return decode(self._qmeta[name], arrays)
         except (KeyError, ValueError) as e:
             raise WeightError(f"quantized tensor {name!r} cannot be rebuilt: {e}") from e
 

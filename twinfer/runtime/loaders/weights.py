@@ -2,7 +2,8 @@
 
 A `StoredTensor` is one tensor as the file holds it (GGUF block-quantized bytes or a safetensors
 array). A canonical weight is built from one or more stored tensors by an optional named transform
-(`TRANSFORMS`): a norm shift, un-permuting llama.cpp's rope layout, stacking or splitting experts.
+(`TRANSFORMS`, or an architecture's own): un-permuting llama.cpp's rope layout, stacking or splitting
+experts, a norm offset.
 
 `WeightSet.load_region` reads a box of a weight (a tensor-parallel rank's rows or columns, an expert
 group's experts) from the file without reading the rest, where the format and transform allow.
@@ -89,6 +90,7 @@ class Transform:
     shape: Callable[[list[Shape], ModelSpec], Shape]
     many: bool = False  # takes one source per expert ({e} in the rule)
     narrow: Narrow | None = None
+    split: int = 1  # the weight is 1/split of its source (a half of a fused tensor): its share of the bytes
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -124,7 +126,7 @@ def _half(part: int) -> Transform:
         rows = slice(box[1].start + first, box[1].stop + first)
         return [0], (box[0], rows, *box[2:]), lambda a: a[0]
 
-    return Transform(apply, shape, narrow=narrow)
+    return Transform(apply, shape, narrow=narrow, split=2)
 
 
 def _stack_narrow(box: Region, s: list[Shape], spec: ModelSpec) -> Narrowed | None:
@@ -136,10 +138,13 @@ def _same(s: list[Shape], spec: ModelSpec) -> Shape:
     return s[0]
 
 
+def elementwise(fn: Callable[[np.ndarray], np.ndarray]) -> Transform:
+    """A transform that maps each value on its own (a norm offset): any box of it reads the same box."""
+    return Transform(lambda a, spec: fn(a[0]), _same, narrow=lambda box, s, spec: ([0], box, lambda a: fn(a[0])))
+
+
+# The generic transforms any name table may use; an architecture adds its own in `NameTable.transforms`.
 TRANSFORMS: dict[str, Transform] = {
-    # Gemma's RMSNorm computes x * (1 + w) in HF checkpoints; canonical norms hold the multiplier.
-    "norm_plus_one": Transform(lambda a, spec: a[0] + np.float32(1.0), _same,
-                               narrow=lambda box, s, spec: ([0], box, lambda a: a[0] + np.float32(1.0))),
     "unpermute_q": _unpermute_transform(lambda spec: spec.num_heads),
     "unpermute_k": _unpermute_transform(lambda spec: spec.num_kv_heads),
     "stack_experts": Transform(lambda a, spec: np.stack(a), lambda s, spec: (len(s), *s[0]), many=True,
@@ -151,15 +156,26 @@ TRANSFORMS: dict[str, Transform] = {
 
 @dataclass(frozen=True)
 class WeightEntry:
-    """How to build one canonical weight: its stored sources and the transform applied to them."""
+    """How to build one canonical weight: its stored sources and the transform applied to them.
+
+    `transform` names it (`WeightSet.transform`); `impl` is the transform itself, looked up in
+    `TRANSFORMS` when not given (a name table passes its architecture's own transforms).
+    """
 
     sources: tuple[StoredTensor, ...]
     transform: str | None = None
+    impl: Transform | None = None
+
+    def __post_init__(self) -> None:
+        if self.transform is not None and self.impl is None:
+            if self.transform not in TRANSFORMS:
+                raise WeightError(f"unknown weight transform {self.transform!r}")
+            object.__setattr__(self, "impl", TRANSFORMS[self.transform])
 
     def shape(self, spec: ModelSpec) -> Shape:
-        if self.transform is None:
+        if self.impl is None:
             return self.sources[0].shape
-        return TRANSFORMS[self.transform].shape([s.shape for s in self.sources], spec)
+        return self.impl.shape([s.shape for s in self.sources], spec)
 
 
 class WeightSet(Mapping[str, np.ndarray]):
@@ -181,7 +197,7 @@ class WeightSet(Mapping[str, np.ndarray]):
         """Read, dequantize and transform `name`; returns a C-contiguous float32 array."""
         entry = self._entry(name)
         arrays = [s.read() for s in entry.sources]
-        out = arrays[0] if entry.transform is None else TRANSFORMS[entry.transform].apply(arrays, self.spec)
+        out = arrays[0] if entry.impl is None else entry.impl.apply(arrays, self.spec)
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def load_region(self, name: str, region: Region) -> np.ndarray:
@@ -191,10 +207,10 @@ class WeightSet(Mapping[str, np.ndarray]):
         entry = self._entry(name)
         shape = entry.shape(self.spec)
         box = full_region(region, shape, name)
-        if entry.transform is None:
+        if entry.impl is None:
             plan: Narrowed | None = [0], box, lambda a: a[0]
         else:
-            narrow = TRANSFORMS[entry.transform].narrow
+            narrow = entry.impl.narrow
             plan = None if narrow is None else narrow(box, [s.shape for s in entry.sources], self.spec)
         if plan is None:
             return np.ascontiguousarray(self.load(name)[box])
@@ -208,7 +224,7 @@ class WeightSet(Mapping[str, np.ndarray]):
     def nbytes_stored(self, name: str) -> int:
         entry = self._entry(name)
         total = sum(s.nbytes for s in entry.sources)
-        return total // 2 if entry.transform in ("gate_half", "up_half") else total
+        return total // (1 if entry.impl is None else entry.impl.split)
 
     def dtype_stored(self, name: str) -> str:
         dtypes = {s.dtype for s in self._entry(name).sources}

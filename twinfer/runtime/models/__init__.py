@@ -1,29 +1,39 @@
-"""Architectures, one file each, written over the Ops interface.
+"""Architectures, one file each, written over the Ops interface, and the registry that finds them.
 
-`MODEL_TYPES` maps every Hugging Face `model_type` twinfer runs to the module that defines it.
-GGUF files name their architecture differently (`general.architecture`); `GGUF_ARCHS` maps those.
+`MODEL_TYPES` maps every Hugging Face `model_type` twinfer runs to the file that defines it;
+GGUF files name their architecture differently (`general.architecture`), and `GGUF_ARCHS` maps
+those. Each file's `ARCH` (an `arch.Architecture`) declares its name tables, config
+reading and model class; files are imported only when asked for.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from twinfer.runtime.errors import UnsupportedArchitecture
-from twinfer.runtime.models.base import Model
 from twinfer.runtime.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.models.arch import Architecture
+    from twinfer.runtime.models.base import Model
 
 MODEL_TYPES: dict[str, str] = {
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "llama": "llama",
-    "mistral": "llama",
+    "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "glm4_moe": "glm4_moe",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "gpt_oss": "gpt_oss",
 }
 
-# GGUF general.architecture -> HF model_type (llama.cpp stores Mixtral as "llama" with experts).
+# GGUF general.architecture -> model file (llama.cpp stores Mixtral as "llama" with experts).
 GGUF_ARCHS: dict[str, str] = {
     "gemma3": "gemma3",
     "llama": "llama",
@@ -38,13 +48,29 @@ def supported_types() -> list[str]:
     return sorted(MODEL_TYPES)
 
 
+def _load(module_name: str) -> Architecture:
+    module = importlib.import_module(f"twinfer.runtime.models.{module_name}")
+    arch: Architecture = module.ARCH
+    return arch
+
+
+def architecture(model_type: object) -> Architecture | None:
+    """The architecture of a Hugging Face `model_type`, or None when twinfer has no file for it."""
+    module_name = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    return None if module_name is None else _load(module_name)
+
+
+def gguf_architecture(arch: object) -> Architecture | None:
+    """The architecture of a GGUF `general.architecture`, or None when twinfer does not read it."""
+    module_name = GGUF_ARCHS.get(arch) if isinstance(arch, str) else None
+    return None if module_name is None else _load(module_name)
+
+
 def model_for(spec: ModelSpec) -> Model:
     """The architecture object that runs `spec`; raises UnsupportedArchitecture with the known list."""
-    module_name = MODEL_TYPES.get(spec.model_type)
-    if module_name is None:
+    arch = architecture(spec.model_type)
+    if arch is None:
         raise UnsupportedArchitecture(
             f"unsupported architecture {spec.model_type!r}: twinfer runs {', '.join(supported_types())}"
         )
-    module = importlib.import_module(f"twinfer.runtime.models.{module_name}")
-    model: Model = module.Model(spec)
-    return model
+    return arch.model(spec)

@@ -1,7 +1,8 @@
 """The base of every architecture: a decoder-only transformer over the Ops interface.
 
 A model file subclasses `Model` and overrides only the blocks that differ (Gemma's extra norms,
-Qwen's biases, an MoE feed-forward). Weights are a dict of canonical names (see loaders/names.py).
+an MoE feed-forward, latent attention). Weights are a dict of canonical names; `weight_shapes`
+lists every one the architecture needs, and the loaders check a file against it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from twinfer.runtime.ops import Array, Ops, StepContext
 from twinfer.runtime.spec import ModelSpec
 
 Weights = dict[str, Any]
+Shapes = dict[str, tuple[int, ...]]
 
 
 class Model:
@@ -20,6 +22,45 @@ class Model:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
 
+    # -- weights -------------------------------------------------------------------------------
+    def weight_shapes(self) -> Shapes:
+        """Every canonical weight this model reads, with its shape, in load order."""
+        s = self.spec
+        out: Shapes = {"embed": (s.vocab_size, s.hidden_size), "norm": (s.hidden_size,)}
+        if not s.tie_word_embeddings:
+            out["lm_head"] = (s.vocab_size, s.hidden_size)
+        for i in range(s.num_layers):
+            p = f"layers.{i}."
+            out |= self.attention_shapes(p)
+            out |= self.layer_norm_shapes(p)
+            out |= self.feed_forward_shapes(p, i)
+        return out
+
+    def attention_shapes(self, p: str) -> Shapes:
+        s = self.spec
+        C, Q, KV = s.hidden_size, s.q_size, s.kv_size
+        out: Shapes = {p + "q": (Q, C), p + "k": (KV, C), p + "v": (KV, C), p + "o": (C, Q)}
+        if s.attention_bias:
+            out |= {p + "q_bias": (Q,), p + "k_bias": (KV,), p + "v_bias": (KV,)}
+        if s.qk_norm:
+            out |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
+        return out
+
+    def layer_norm_shapes(self, p: str) -> Shapes:
+        C = self.spec.hidden_size
+        return {p + "attn_norm": (C,), p + "mlp_norm": (C,)}
+
+    def feed_forward_shapes(self, p: str, layer: int) -> Shapes:
+        s = self.spec
+        C = s.hidden_size
+        if s.moe is not None and s.is_moe_layer(layer):
+            E, Ie = s.moe.num_experts, s.moe.expert_intermediate_size
+            return {p + "router": (E, C), p + "experts.gate": (E, Ie, C), p + "experts.up": (E, Ie, C),
+                    p + "experts.down": (E, C, Ie)}
+        FF = s.intermediate_size
+        return {p + "gate": (FF, C), p + "up": (FF, C), p + "down": (C, FF)}
+
+    # -- forward -------------------------------------------------------------------------------
     def forward(self, ops: Ops, w: Weights, ctx: StepContext) -> Array:
         """Token ids of the step -> final hidden states [T, C] (after the final norm)."""
         x = self.embed(ops, w, ctx)
@@ -36,12 +77,13 @@ class Model:
         return out
 
     def embed(self, ops: Ops, w: Weights, ctx: StepContext) -> Array:
-        return ops.embedding(w["embed"], ctx.tokens)
+        x = ops.embedding(w["embed"], ctx.tokens)
+        return x * (self.spec.hidden_size**0.5) if self.spec.embed_scale else x
 
     def block(self, ops: Ops, w: Weights, p: str, layer: int, x: Array, ctx: StepContext) -> Array:
         eps = self.spec.rms_norm_eps
         a = self.attention(ops, w, p, layer, ops.rms_norm(x, w[p + "attn_norm"], eps), ctx)
-        x, h = add_rms_norm(ops, x, a, w[p + "mlp_norm"], eps)
+        x, h = ops.add_rms_norm(x, a, w[p + "mlp_norm"], eps)
         return x + self.feed_forward(ops, w, p, layer, h)
 
     def attention(self, ops: Ops, w: Weights, p: str, layer: int, h: Array, ctx: StepContext) -> Array:
@@ -54,8 +96,11 @@ class Model:
             q = ops.rms_norm(q, w[p + "q_norm"], s.rms_norm_eps)
             k = ops.rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
         q, k = ops.rope(q, ctx, layer), ops.rope(k, ctx, layer)
-        o = ops.attention(q, k, v, ctx, layer)  # [T, H, D]
-        return ops.linear(o.reshape(T, s.q_size), w[p + "o"])
+        if s.attention_sinks:  # gpt-oss: a learned logit per head joins every softmax
+            o = ops.attention(q, k, v, ctx, layer, w[p + "sinks"])
+        else:
+            o = ops.attention(q, k, v, ctx, layer)  # [T, H, D]
+        return ops.linear(o.reshape(T, s.q_size), w[p + "o"], w.get(p + "o_bias"))
 
     def feed_forward(self, ops: Ops, w: Weights, p: str, layer: int, h: Array) -> Array:
         if self.spec.is_moe_layer(layer):
@@ -64,16 +109,9 @@ class Model:
                 h, w[p + "router"], w[p + "experts.gate"], w[p + "experts.up"], w[p + "experts.down"],
                 self.spec.moe, self.spec.hidden_act,
             )
+        return self.mlp(ops, w, p, h)
+
+    def mlp(self, ops: Ops, w: Weights, p: str, h: Array) -> Array:
+        """The dense gated MLP of weights `p + gate/up/down`."""
         gate = ops.act(ops.linear(h, w[p + "gate"]), self.spec.hidden_act)
         return ops.linear(gate * ops.linear(h, w[p + "up"]), w[p + "down"])
-
-
-def add_rms_norm(ops: Ops, x: Array, delta: Array, w: Array, eps: float) -> tuple[Array, Array]:
-    """(x + delta, rms_norm(x + delta) * w). A backend with a fused residual-add + norm kernel provides it
-    as `ops.add_rms_norm` (an optional op: backends without one get the two plain calls)."""
-    fused = getattr(ops, "add_rms_norm", None)
-    if fused is not None:
-        out: tuple[Array, Array] = fused(x, delta, w, eps)
-        return out
-    x = x + delta
-    return x, ops.rms_norm(x, w, eps)

@@ -1,0 +1,43 @@
+"""`Architecture`: what one model file declares about itself, for the loaders and the registry.
+
+The loaders hold the generic machinery (reading config.json and GGUF metadata, matching names,
+checking shapes); everything particular to an architecture comes from its `Architecture`:
+its weight-name tables, the transformers config defaults it relies on, and hooks that turn the
+generic spec fields into its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from twinfer.runtime.loaders.names import NameTable
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders.gguf_file import GGUFKeys
+    from twinfer.runtime.models.base import Model
+
+Fields = dict[str, Any]
+"""ModelSpec keyword arguments being built by a loader."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture as its model file declares it.
+
+    `hf_config` picks the text model's keys out of a config.json (multimodal wrappers nest them);
+    `hf_spec(c, fields)` and `gguf_spec(keys, fields)` return the generic spec fields with this
+    architecture's own added or changed (norms, layer pattern, experts, ...); `c` is the config with
+    `hf_defaults` filled in.
+    """
+
+    name: str  # the canonical model_type, `ModelSpec.model_type`
+    model: type[Model]
+    hf_names: NameTable
+    gguf_names: NameTable | None = None
+    hf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    hf_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    hf_spec: Callable[[dict[str, Any], Fields], Fields] | None = None
+    gguf_spec: Callable[[GGUFKeys, Fields], Fields] | None = None
+    hf_skip: Callable[[dict[str, Any]], tuple[str, ...]] | None = None  # tensor-name prefixes left unread

@@ -1,0 +1,193 @@
+"""DeepSeek-V3 / R1 and Kimi K2 (`deepseek_v3`, `kimi_k2`): multi-head latent attention (MLA) and
+DeepSeek-MoE.
+
+Attention: queries through a low-rank bottleneck (`q_a` -> norm -> `q_b`, or one `q` without
+q-LoRA); keys and values from one latent per token of rank R = kv_lora_rank (`kv_a`, normalized)
+plus a P = qk_rope_head_dim rope key shared by all heads. The cache holds R + P numbers per token
+per layer. `kv_b` is absorbed: each head's key up-projection turns its no-rope query into latent
+space (`kv_b_k` [H, R, nope]) and its value up-projection is applied after attending (`kv_b_v`
+[H, V, R]), so attention runs over the latents directly. The softmax scale carries YaRN's mscale.
+Rope is interleaved in the checkpoints; the loader permutes the rope rows of `q`/`q_b` and `kv_a`
+to the half-split layout (the same permutation on queries and keys leaves every score unchanged).
+
+Feed-forward: `first_k_dense_replace` dense layers, then sigmoid-routed experts with shared experts
+(shared_experts.py). The multi-token-prediction layer after the last one is skipped by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from twinfer.runtime.errors import UnsupportedArchitecture
+from twinfer.runtime.loaders.names import NameTable, rule
+from twinfer.runtime.loaders.weights import Shape, Transform
+from twinfer.runtime.models.arch import Architecture, Fields
+from twinfer.runtime.models.base import Shapes, Weights
+from twinfer.runtime.models.common import HF_COMMON, L
+from twinfer.runtime.models.glm4_moe import hf_skip
+from twinfer.runtime.models.shared_experts import HF_MOE_RULES, SharedExpertsDecoder, moe_from_config
+from twinfer.runtime.ops import Array, Ops, StepContext
+from twinfer.runtime.rope import yarn_mscale
+from twinfer.runtime.spec import MLASpec, ModelSpec
+
+INTERLEAVED = "rope_interleave"  # a spec.extra key: the checkpoint's rope pairs are interleaved
+
+
+class Model(SharedExpertsDecoder):
+    def attention_shapes(self, p: str) -> Shapes:
+        s, m = self.spec, _mla(self.spec)
+        C, H, R, P = s.hidden_size, s.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
+        qk = m.qk_nope_head_dim + P
+        out: Shapes = {}
+        if m.q_lora_rank:
+            out |= {p + "q_a": (m.q_lora_rank, C), p + "q_a_norm": (m.q_lora_rank,), p + "q_b": (H * qk, m.q_lora_rank)}
+        else:
+            out[p + "q"] = (H * qk, C)
+        out |= {p + "kv_a": (R + P, C), p + "kv_a_norm": (R,), p + "kv_b_k": (H, R, m.qk_nope_head_dim),
+                p + "kv_b_v": (H, m.v_head_dim, R), p + "o": (C, H * m.v_head_dim)}
+        if s.attention_bias:
+            out |= {p + "kv_a_bias": (R + P,), p + "o_bias": (C,)}
+            if m.q_lora_rank:
+                out[p + "q_a_bias"] = (m.q_lora_rank,)
+        return out
+
+    def attention(self, ops: Ops, w: Weights, p: str, layer: int, h: Array, ctx: StepContext) -> Array:
+        s, m = self.spec, _mla(self.spec)
+        T, H, R, nope = h.shape[0], s.num_heads, m.kv_lora_rank, m.qk_nope_head_dim
+        eps = s.rms_norm_eps
+        if m.q_lora_rank:
+            q_low = ops.rms_norm(ops.linear(h, w[p + "q_a"], w.get(p + "q_a_bias")), w[p + "q_a_norm"], eps)
+            q = ops.linear(q_low, w[p + "q_b"])
+        else:
+            q = ops.linear(h, w[p + "q"])
+        q = q.reshape(T, H, nope + m.qk_rope_head_dim)
+        q_rope = ops.rope(q[..., nope:], ctx, layer)  # [T, H, P]
+        q_latent = ops.head_linear(q[..., :nope], w[p + "kv_b_k"])  # [T, H, R]
+        kv = ops.linear(h, w[p + "kv_a"], w.get(p + "kv_a_bias"))  # [T, R + P]
+        latent = ops.rms_norm(kv[..., :R], w[p + "kv_a_norm"], eps)  # [T, R]
+        k_rope = ops.rope(kv[..., R:].reshape(T, 1, m.qk_rope_head_dim), ctx, layer)  # [T, 1, P]
+        o = ops.latent_attention(q_latent, q_rope, latent, k_rope.reshape(T, m.qk_rope_head_dim), ctx, layer)
+        o = ops.head_linear(o, w[p + "kv_b_v"])  # [T, H, V]
+        return ops.linear(o.reshape(T, H * m.v_head_dim), w[p + "o"], w.get(p + "o_bias"))
+
+
+def _mla(spec: ModelSpec) -> MLASpec:
+    assert spec.mla is not None, "deepseek_v3 specs carry an MLASpec"
+    return spec.mla
+
+
+# -- weight transforms ---------------------------------------------------------------------------
+def _deinterleave(rows: int, start: int, length: int) -> np.ndarray:
+    """Row order that moves the interleaved rope pairs of each block [start, start + length) of
+    `rows` rows to half-split order: x0, x2, ..., x1, x3, ..."""
+    order = np.arange(rows)
+    rope = order[start : start + length]
+    order[start : start + length] = np.concatenate((rope[0::2], rope[1::2]))
+    return order
+
+
+def _rope_rows(part: str) -> Transform:
+    """Permute the rope rows of `q`/`q_b` (every head's last P rows) or `kv_a` (its last P rows)."""
+
+    def apply(a: list[np.ndarray], spec: ModelSpec) -> np.ndarray:
+        w, m = a[0], _mla(spec)
+        if not dict(spec.extra).get(INTERLEAVED, True):
+            return w
+        P = m.qk_rope_head_dim
+        if part == "kv":
+            return w[_deinterleave(w.shape[0], m.kv_lora_rank, P)]
+        per_head = m.qk_nope_head_dim + P
+        heads = w.reshape(spec.num_heads, per_head, *w.shape[1:])
+        return heads[:, _deinterleave(per_head, m.qk_nope_head_dim, P)].reshape(w.shape)
+
+    return Transform(apply, lambda s, spec: s[0])
+
+
+def _kv_b(part: str) -> Transform:
+    """`kv_b_proj` [H * (nope + V), R] -> the absorbed key part [H, R, nope] or value part [H, V, R]."""
+
+    def split(spec: ModelSpec) -> tuple[int, int, int]:
+        m = _mla(spec)
+        return m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
+
+    def apply(a: list[np.ndarray], spec: ModelSpec) -> np.ndarray:
+        nope, v, R = split(spec)
+        heads = a[0].reshape(spec.num_heads, nope + v, R)
+        return heads[:, :nope].transpose(0, 2, 1) if part == "k" else heads[:, nope:]
+
+    def shape(s: list[Shape], spec: ModelSpec) -> Shape:
+        nope, v, R = split(spec)
+        return (s[0][0] // (nope + v), R, nope) if part == "k" else (s[0][0] // (nope + v), v, R)
+
+    return Transform(apply, shape)
+
+
+_A = L + "self_attn."
+HF_NAMES = NameTable(
+    "deepseek_v3",
+    tuple(r for r in HF_COMMON if "self_attn" not in r.source) + HF_MOE_RULES + (
+        rule(_A + "q_proj.weight", "layers.{i}.q", "rope_rows_q"),
+        rule(_A + "q_a_proj.weight", "layers.{i}.q_a"),
+        rule(_A + "q_a_proj.bias", "layers.{i}.q_a_bias"),
+        rule(_A + "q_a_layernorm.weight", "layers.{i}.q_a_norm"),
+        rule(_A + "q_b_proj.weight", "layers.{i}.q_b", "rope_rows_q"),
+        rule(_A + "kv_a_proj_with_mqa.weight", "layers.{i}.kv_a", "rope_rows_kv"),
+        rule(_A + "kv_a_proj_with_mqa.bias", "layers.{i}.kv_a_bias", "rope_rows_kv"),
+        rule(_A + "kv_a_layernorm.weight", "layers.{i}.kv_a_norm"),
+        rule(_A + "kv_b_proj.weight", "layers.{i}.kv_b_k", "kv_b_k"),
+        rule(_A + "kv_b_proj.weight", "layers.{i}.kv_b_v", "kv_b_v"),
+        rule(_A + "o_proj.weight", "layers.{i}.o"),
+        rule(_A + "o_proj.bias", "layers.{i}.o_bias"),
+        rule(_A + "rotary_emb.inv_freq", None),
+    ),
+    transforms=(("rope_rows_q", _rope_rows("q")), ("rope_rows_kv", _rope_rows("kv")),
+                ("kv_b_k", _kv_b("k")), ("kv_b_v", _kv_b("v"))),
+)
+
+
+# -- config --------------------------------------------------------------------------------------
+UNSUPPORTED = {  # config keys of features twinfer does not run yet, with what they are
+    "index_topk": "DeepSeek sparse attention's indexer",
+    "index_n_heads": "DeepSeek sparse attention's indexer",
+    "index_head_dim": "DeepSeek sparse attention's indexer",
+}
+
+
+def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
+    for key, what in UNSUPPORTED.items():
+        if c.get(key):
+            raise UnsupportedArchitecture(f"config.json sets {key!r} ({what}), which twinfer does not run yet")
+    for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        if c.get(key, want) != want:
+            raise UnsupportedArchitecture(f"config.json {key}={c[key]!r}: twinfer runs DeepSeek-V3 routing ({want!r})")
+    q_lora = c.get("q_lora_rank")
+    mla = MLASpec(kv_lora_rank=int(c["kv_lora_rank"]), q_lora_rank=int(q_lora) if q_lora else None,
+                  qk_rope_head_dim=int(c["qk_rope_head_dim"]), qk_nope_head_dim=int(c["qk_nope_head_dim"]),
+                  v_head_dim=int(c["v_head_dim"]))
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    scale = qk**-0.5
+    scaling = dict(fields["rope_scaling"] or ())
+    if scaling and scaling.get("mscale_all_dim"):  # YaRN's mscale enters the softmax scale squared
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+    return fields | dict(
+        head_dim=qk, num_kv_heads=fields["num_heads"], mla=mla, moe=moe_from_config(c), softmax_scale=scale,
+        extra=((INTERLEAVED, bool(c.get("rope_interleave", True))),),
+    )
+
+
+ARCH = Architecture(
+    name="deepseek_v3",
+    model=Model,
+    hf_names=HF_NAMES,
+    hf_defaults={
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
+    },  # transformers' DeepseekV3Config defaults
+    hf_spec=hf_spec,
+    hf_skip=hf_skip,
+)

@@ -1,0 +1,46 @@
+"""GLM-4.5 / 4.6 / 4.5-Air (`glm4_moe`): grouped-query attention with partial rotary and optional
+QK-norm, DeepSeek-style MoE (sigmoid router with score-correction bias, group-limited top-k,
+routed scaling, one shared expert) after `first_k_dense_replace` dense layers.
+
+Rope turns the first `partial_rotary_factor` of each head (half-split layout); Q, K and V carry
+biases when `attention_bias`. Checkpoints append `num_nextn_predict_layers` multi-token-prediction
+layers after the last decoder layer; they are skipped by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twinfer.runtime.models.arch import Architecture, Fields
+from twinfer.runtime.models.common import HF_DECODER
+from twinfer.runtime.models.shared_experts import HF_MOE_RULES, SharedExpertsDecoder, moe_from_config
+
+
+class Model(SharedExpertsDecoder):
+    pass
+
+
+def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
+    return fields | dict(qk_norm=bool(c.get("use_qk_norm")), moe=moe_from_config(c))
+
+
+def hf_skip(c: dict[str, Any]) -> tuple[str, ...]:
+    """The multi-token-prediction layers' tensors (`model.layers.{N + j}.*`), which twinfer does not run."""
+    n = int(c["num_hidden_layers"])
+    return tuple(f"model.layers.{n + j}." for j in range(int(c.get("num_nextn_predict_layers") or 0)))
+
+
+ARCH = Architecture(
+    name="glm4_moe",
+    model=Model,
+    hf_names=HF_DECODER.extended("glm4_moe", HF_MOE_RULES),
+    hf_defaults={
+        "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "partial_rotary_factor": 0.5,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "moe_intermediate_size": 1408,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": False,
+    },  # transformers' Glm4MoeConfig defaults
+    hf_spec=hf_spec,
+    hf_skip=hf_skip,
+)

@@ -1,0 +1,112 @@
+"""gpt-oss (`gpt_oss`): grouped-query attention with per-head sinks, alternating sliding-window and
+full layers, YaRN rope, biases on Q/K/V/O; MoE with a biased router (softmax over the top-k
+logits) and biased experts running a clamped SwiGLU: gate <= limit, |up| <= limit, then
+gate * sigmoid(alpha * gate) * (up + 1).
+
+transformers holds each layer's experts as `gate_up_proj` [E, C, 2I] with gate and up
+interleaved along the last axis (gate at even, up at odd columns) and `down_proj` [E, I, C]; the
+loader splits and transposes them to the canonical [E, I, C] / [E, C, I].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from twinfer.runtime.loaders.names import NameTable, rule
+from twinfer.runtime.loaders.weights import Shape, Transform
+from twinfer.runtime.models.arch import Architecture, Fields
+from twinfer.runtime.models.base import Model as _Decoder
+from twinfer.runtime.models.base import Shapes, Weights
+from twinfer.runtime.models.common import HF_COMMON, L
+from twinfer.runtime.ops import Array, ExpertExtras, Ops
+from twinfer.runtime.spec import ModelSpec, MoESpec
+
+
+class Model(_Decoder):
+    def attention_shapes(self, p: str) -> Shapes:
+        s = self.spec
+        return super().attention_shapes(p) | {p + "sinks": (s.num_heads,), p + "o_bias": (s.hidden_size,)}
+
+    def feed_forward_shapes(self, p: str, layer: int) -> Shapes:
+        out = super().feed_forward_shapes(p, layer)
+        m = self.spec.moe
+        assert m is not None
+        E, Ie, C = m.num_experts, m.expert_intermediate_size, self.spec.hidden_size
+        return out | {p + "router_bias": (E,), p + "experts.gate_bias": (E, Ie), p + "experts.up_bias": (E, Ie),
+                      p + "experts.down_bias": (E, C)}
+
+    def feed_forward(self, ops: Ops, w: Weights, p: str, layer: int, h: Array) -> Array:
+        assert self.spec.moe is not None
+        extras = ExpertExtras(router_bias=w[p + "router_bias"], gate_bias=w[p + "experts.gate_bias"],
+                              up_bias=w[p + "experts.up_bias"], down_bias=w[p + "experts.down_bias"])
+        return ops.moe(h, w[p + "router"], w[p + "experts.gate"], w[p + "experts.up"], w[p + "experts.down"],
+                       self.spec.moe, self.spec.hidden_act, extras)
+
+
+# -- weight names and transforms -----------------------------------------------------------------
+def _columns(part: int, transpose: bool) -> Transform:
+    """Every other column of the last axis from `part` (0: gate, 1: up), moved to rows when `transpose`."""
+
+    def apply(a: list[np.ndarray], spec: ModelSpec) -> np.ndarray:
+        picked = a[0][..., part::2]
+        return picked.transpose(0, 2, 1) if transpose else picked
+
+    def shape(s: list[Shape], spec: ModelSpec) -> Shape:
+        if transpose:  # [E, C, 2I] -> [E, I, C]
+            return (s[0][0], s[0][2] // 2, s[0][1])
+        return (*s[0][:-1], s[0][-1] // 2)
+
+    return Transform(apply, shape, split=2)
+
+
+_TRANSPOSE = Transform(lambda a, spec: a[0].transpose(0, 2, 1), lambda s, spec: (s[0][0], s[0][2], s[0][1]))
+_X = L + "mlp.experts."
+HF_NAMES = NameTable(
+    "gpt_oss",
+    tuple(r for r in HF_COMMON if ".mlp." not in r.source) + (
+        rule(L + "self_attn.o_proj.bias", "layers.{i}.o_bias"),
+        rule(L + "self_attn.sinks", "layers.{i}.sinks"),
+        rule(L + "mlp.router.weight", "layers.{i}.router"),
+        rule(L + "mlp.router.bias", "layers.{i}.router_bias"),
+        rule(_X + "gate_up_proj", "layers.{i}.experts.gate", "gate_columns"),
+        rule(_X + "gate_up_proj", "layers.{i}.experts.up", "up_columns"),
+        rule(_X + "gate_up_proj_bias", "layers.{i}.experts.gate_bias", "gate_bias_columns"),
+        rule(_X + "gate_up_proj_bias", "layers.{i}.experts.up_bias", "up_bias_columns"),
+        rule(_X + "down_proj", "layers.{i}.experts.down", "transpose_experts"),
+        rule(_X + "down_proj_bias", "layers.{i}.experts.down_bias"),
+    ),
+    transforms=(("gate_columns", _columns(0, True)), ("up_columns", _columns(1, True)),
+                ("gate_bias_columns", _columns(0, False)), ("up_bias_columns", _columns(1, False)),
+                ("transpose_experts", _TRANSPOSE)),
+)
+
+
+def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
+    moe = MoESpec(
+        num_experts=int(c["num_local_experts"]),
+        top_k=int(c["num_experts_per_tok"]),
+        expert_intermediate_size=int(c["intermediate_size"]),
+        norm_topk_prob=True,  # softmax over the top-k logits = softmax over all, renormalized
+        router_softmax_before_topk=False,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(c["swiglu_limit"]),
+        swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
+    )
+    return fields | dict(moe=moe, attention_sinks=True)
+
+
+ARCH = Architecture(
+    name="gpt_oss",
+    model=Model,
+    hf_names=HF_NAMES,
+    hf_defaults={
+        "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+        "num_experts_per_tok": 4, "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "attention_bias": True,
+    },  # transformers' GptOssConfig defaults
+    hf_spec=hf_spec,
+)
