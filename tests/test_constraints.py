@@ -234,3 +234,11 @@ def test_speculation_with_constraints_is_exact(tok: Tokenizer) -> None:
     jsonschema.validate(json.loads(out.text), schema)
     stats = spec_engine.speculator.stats
     assert stats.proposed > 0 and 0 < stats.accepted < stats.proposed
+
+
+def test_properties_come_out_in_the_schemas_order(tok: Tokenizer) -> None:
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "integer", "minimum": 0,
+                                                                                     "maximum": 9}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    out = engine(tok).generate(["order"], params(Constraint.json_schema(schema)))[0]
+    assert list(json.loads(out.text)) == ["zeta", "alpha"]

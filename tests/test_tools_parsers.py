@@ -47,6 +47,8 @@ CASES = [
     ("llama3", LLAMA3_TAG, "", [("search", {"q": "x"}), ("get_weather", {})]),
     ("mistral", MISTRAL, "", [("search", {"q": "mistral"}), ("get_weather", {"city": "Rome"})]),
     ("generic", GENERIC, "", [("get_weather", {"city": "Lima"})]),
+    ("mistral", MISTRAL.removeprefix("[TOOL_CALLS] "), "", [("search", {"q": "mistral"}),  # tag skipped
+                                                             ("get_weather", {"city": "Rome"})]),
 ]
 
 

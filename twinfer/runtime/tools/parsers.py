@@ -99,7 +99,10 @@ class WholeReplyParser:
     def __init__(self, names: Collection[str], family: str):
         self.names = names
         self.family = family
-        self.starts = {"generic": ("{",), "llama3": ("{", "<|python_tag|>"), "mistral": ("[TOOL_CALLS]",)}[family]
+        # Control tokens ([TOOL_CALLS], <|python_tag|>) are dropped from the decoded text, so a call may
+        # arrive without its tag.
+        self.starts = {"generic": ("{",), "llama3": ("{", "<|python_tag|>"),
+                       "mistral": ("[TOOL_CALLS]", '[{"name"')}[family]
         self.buf = ""
         self.holding: bool | None = None  # None: undecided (only whitespace or a tag prefix so far)
 
