@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,9 @@ def run_case(case: Case) -> str:
         assert str(e).strip(), f"{case}: {type(e).__name__} with no message"
         return "refused"
     assert text and (plan.fits or plan.suggestion), case
+    for flag, asked in (("--context", case.context), ("--concurrency", case.concurrency)):
+        m = re.match(rf"lower {flag} to (\d+)", plan.suggestion)
+        assert m is None or int(m.group(1)) < asked, f"{case}: suggests {plan.suggestion!r}"
     if plan.fits:
         predicted = out["predicted"]
         assert all(math.isfinite(v) and v > 0 for v in (predicted["decode_tokens_per_s"], predicted["ttft_s"])), case
@@ -164,6 +168,19 @@ def check_grid(grid: list[Case]) -> None:
         assert seen == set(values), f"axis {axis} missed {set(values) - seen}"
     assert {c.model for c in grid} == set(catalog.CATALOG)
     assert set(outcomes) == {"fits", "no plan", "refused"} and outcomes["fits"] > len(grid) // 8, outcomes
+
+
+def test_a_refused_plan_names_the_real_obstacle() -> None:
+    h100 = run_case_plan("llama-3.1-8b", "h100", "auto", "q8_0")
+    assert h100.suggestion.startswith("--kv-format q8_0 does not run natively on NVIDIA H100")
+    fp4_only = run_case_plan("llama-3.1-8b", "gpu:memory=192GB,bandwidth=8TB/s,fp4=10PFLOPS,memory_type=hbm")
+    assert fp4_only.suggestion.startswith("no format of llama-3.1-8b runs natively on described gpu")
+    tiny = run_case_plan("llama-3.1-70b", "h100")
+    assert tiny.suggestion.startswith("use --gpus 2")
+
+
+def run_case_plan(model: str, hardware: str, weights: str = "auto", kv: str = "auto") -> Any:
+    return make_plan(catalog.find(model).profile(), resolve_cluster(hardware), Request(4096, 1, weights, kv))
 
 
 _KINDS = st.sampled_from([GPU, GPU, APPLE, CPU])

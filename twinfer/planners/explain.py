@@ -185,12 +185,14 @@ def smallest_change(model: ModelProfile, cluster: Cluster, request: Request, eva
     if c is None:
         return "no strategy applies to this model and hardware"
     s, prof = c.strategy, c.profile
+    if c.fits:  # memory is not what stops it: nothing allowed runs natively here
+        return _not_native(model, cluster, request, c)
     if request.concurrency > 1 and memory_for(prof, cluster, s, 1, request.context).fits:
         n = max_concurrency(prof, cluster, s, request.context)
         return (f"lower --concurrency to {n}: at {request.context} tokens the KV budget holds {n} sequence(s) "
                 f"in {s.mix.label or s.mix.name}")
     ctx = max_context(prof, cluster, s, request.concurrency)
-    if ctx >= 256:
+    if request.context > ctx >= 256:
         return f"lower --context to {ctx}: the weights fit, the KV cache for {request.context} tokens does not"
     need = c.memory.used * c.memory.devices
     if target_of(cluster) == "local":
@@ -200,6 +202,19 @@ def smallest_change(model: ModelProfile, cluster: Cluster, request: Request, eva
         return more
     return (f"needs about {fmt_bytes(need)} even as {s.mix.label or s.mix.name}; this {cluster.device.label} "
             f"offers {fmt_bytes(cluster.capacity_bytes)} usable: choose hardware with more memory")
+
+
+def _not_native(model: ModelProfile, cluster: Cluster, request: Request, c: Candidate) -> str:
+    """Why a plan that fits in memory was refused: the datacenter target runs native formats only."""
+    dev = cluster.device
+    units = f"{dev.label}, whose matrix units take {', '.join(sorted(dev.natives))}"
+    asked = [f"--{flag} {value}" for flag, value in (("format", request.weights_format),
+                                                      ("kv-format", request.kv_format)) if value not in ("auto", "")]
+    if asked:
+        return (f"{' with '.join(asked)} does not run natively on {units}; the datacenter target serves only "
+                "native formats: drop it and the planner picks one")
+    return (f"no format of {model.name} runs natively on {units}; {c.strategy.label()} fits but needs a "
+            "dequantization loop, which the datacenter target does not spend kernel time on")
 
 
 MAX_SEARCHES = 12  # cluster sizes `smallest_change` tries before it gives up naming a GPU count
