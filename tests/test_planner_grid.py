@@ -203,7 +203,8 @@ def devices(draw: Any) -> Device:
     )
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(device=devices(), model=st.sampled_from(sorted(catalog.CATALOG)), gpus=st.sampled_from([1, 2, 8]),
        context=st.sampled_from(CONTEXTS), concurrency=st.sampled_from(CONCURRENCY),
        weights=st.sampled_from(["auto", "auto", *MIXES]), kv=st.sampled_from(["auto", "auto", *KV_FORMATS]))
