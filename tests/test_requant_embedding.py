@@ -99,3 +99,47 @@ def test_budget_strategy_requantizes_the_embedding(default_model: Path) -> None:
     assert s.kv_type == "f16"  # on this 2-core AVX2 laptop: dequantizing a q8_0 KV costs more than it saves
     assert 360e6 < s.predicted_bytes <= 400e6  # 184 MB of weights, 19 MB of F16 KV, workspace and overhead
     assert "token embedding and output matrix in Q5_0" in s.summary()
+
+
+# VmHWM is this process's own peak: ru_maxrss would include the forking test process's size.
+_REQUANT_CHILD = """
+import sys
+from pathlib import Path
+from twinfer.backends.llamacpp.requantize import requantize_gguf
+requantize_gguf(Path(sys.argv[1]), "q4_k_m", "MOSTLY_Q4_K_M", embed_type="q5_0")
+print(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+"""
+
+
+def test_streamed_embedding_stays_in_budget_and_equals_llama_cpp(default_model: Path, requantized: dict[str, Path],
+                                                                tmp_path: Path) -> None:
+    """The embedding is re-encoded a few MB of rows at a time after llama.cpp copies it: the bytes are the
+    ones llama.cpp writes when it converts the whole 671 MB float32 table, at a fraction of the memory."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("peak memory is read from Linux's /proc")
+    from twinfer.backends.llamacpp._lib import load_llama_cpp, set_quiet
+    from twinfer.quant.gguf_rewrite import TypedGGUF
+
+    env = {**__import__("os").environ, "TWINFER_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", _REQUANT_CHILD, str(default_model)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    peak_mb = int(proc.stdout.split()[-1]) / 1024  # kB
+    assert peak_mb < 400, peak_mb  # the --memory-budget this file's plan was made for (llama.cpp alone: ~900)
+
+    lib = load_llama_cpp()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize = lib.LLAMA_FTYPE_MOSTLY_Q4_K_M, True
+    params.token_embedding_type = params.output_tensor_type = 6  # GGML_TYPE_Q5_0, whole-tensor in llama.cpp
+    reference = tmp_path / "reference.gguf"
+    set_quiet(lib, True)
+    assert lib.llama_model_quantize(str(default_model).encode(), str(reference).encode(), params) == 0
+    ours, theirs = TypedGGUF(requantized["q5_0"]), TypedGGUF(reference)
+    assert list(ours.tensors) == list(theirs.tensors)
+    for name, info in theirs.tensors.items():
+        mine = ours.tensors[name]
+        assert (mine.ggml_type, mine.shape) == (info.ggml_type, info.shape), name
+        assert bytes(ours.tensor_bytes(mine)) == bytes(theirs.tensor_bytes(info)), name

@@ -305,12 +305,28 @@ def detect() -> Cluster:
 
 
 # -- measurements ------------------------------------------------------------------------------------
-def measure_cpu_bandwidth(mb: int = 128, repeats: int = 3) -> float:
-    """Read bandwidth in GB/s: every usable core sums its own array, best of `repeats`; cached for this CPU."""
+def _last_level_cache_bytes() -> int:
+    for path in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"), reverse=True):
+        try:
+            text = path.read_text().strip().upper()
+            return int(text[:-1]) * (1 << 20 if text.endswith("M") else 1 << 10) if text[-1] in "KM" else int(text)
+        except (OSError, ValueError, IndexError):
+            continue
+    out = _run(["sysctl", "-n", "hw.l3cachesize"]).strip() or _run(["sysctl", "-n", "hw.perflevel0.l2cachesize"]).strip()
+    return int(out) if out.isdigit() else 32 << 20
+
+
+def measure_cpu_bandwidth(total_mb: int | None = None, repeats: int = 3) -> float:
+    """Read bandwidth in GB/s: every usable core sums its own array, best of `repeats`; cached for this CPU.
+
+    The arrays together hold four times the last-level cache (64-512 MB), enough to read from DRAM and
+    small enough not to add to a `--memory-budget` run's peak beyond what the model itself takes.
+    """
     import numpy as np
 
     threads = max(1, default_threads())
-    arrays = [np.ones(mb * 2**20 // 4, dtype=np.float32) for _ in range(threads)]
+    total = total_mb * 2**20 if total_mb else min(max(4 * _last_level_cache_bytes(), 64 << 20), 512 << 20)
+    arrays = [np.ones(total // threads // 4, dtype=np.float32) for _ in range(threads)]
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()

@@ -8,6 +8,8 @@ file is written with `gguf.GGUFWriter` to a temporary name, then moved into plac
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,6 +25,52 @@ SKIP = object()  # a `values` callback's answer: leave the key out
 # (name, raw tensor bytes with the element axis last, ggml type id) -> the same, changed; None drops it
 TensorEdit = Callable[[str, np.ndarray, int], "tuple[str, np.ndarray, int] | None"]
 ValueEdit = Callable[[str, Any], Any]  # (key, value) -> new value, or SKIP
+
+
+CHUNK_BYTES = 16 << 20  # how much of a tensor a rewrite holds (or keeps resident from the source) at once
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+
+
+class Streamed:
+    """Tensor bytes written chunk by chunk, so a rewrite never holds a whole tensor (nor keeps the source
+    file's pages resident: after each chunk the pages it read from the source map are dropped).
+
+    `shape` is the byte shape (rows, row bytes); `chunks()` yields C-contiguous uint8 row blocks in order.
+    GGUFWriter only calls `nbytes` and `tofile`, so this stands in for the array it would write.
+    """
+
+    def __init__(self, shape: tuple[int, ...], chunks: Callable[[], Iterable[np.ndarray]],
+                 release: Callable[[], None] | None = None):
+        self.shape = tuple(int(d) for d in shape)
+        self.nbytes = int(np.prod(self.shape))
+        self._chunks, self._release = chunks, release
+
+    @classmethod
+    def of(cls, raw: np.ndarray, contents: GGUFContents | None = None) -> Streamed:
+        """`raw` (often a view of the source map) written in row blocks of about CHUNK_BYTES."""
+        rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+        step = max(1, CHUNK_BYTES // max(rows.shape[1], 1))
+        return cls(raw.shape, lambda: (rows[i : i + step] for i in range(0, rows.shape[0], step)),
+                   (lambda: drop_pages(contents)) if contents is not None else None)
+
+    def tofile(self, fp: Any) -> None:
+        written = 0
+        for block in self._chunks():
+            block = np.ascontiguousarray(block, dtype=np.uint8)
+            block.tofile(fp)
+            written += block.nbytes
+            if self._release is not None:
+                self._release()
+        if written != self.nbytes:
+            raise ValueError(f"streamed tensor wrote {written} bytes, declared {self.nbytes}")
+
+
+def drop_pages(contents: GGUFContents | None) -> None:
+    """Let the OS drop the source map's resident pages (they are re-read from the file if touched again)."""
+    mapped = getattr(contents, "_map", None)
+    if _DONTNEED is not None and isinstance(mapped, mmap.mmap):
+        with contextlib.suppress(OSError, ValueError):
+            mapped.madvise(_DONTNEED)
 
 
 class TypedGGUF(GGUFContents):
@@ -69,17 +117,18 @@ def rewrite_gguf(source: Path | TypedGGUF, dest: Path, *, values: ValueEdit | No
             add(key, value, vtype, sub)
     for key, value, vtype, sub in extra:
         add(key, value, vtype, sub)
-    data = []
+    data: list[Any] = []
     for name, info in contents.tensors.items():
-        item: tuple[str, np.ndarray, int] | None = (
+        item: tuple[str, Any, int] | None = (
             name, contents.tensor_bytes(info).reshape(*info.shape[:-1], -1), info.ggml_type)
         if tensors is not None:
             item = tensors(*item)  # type: ignore[misc]
         if item is None:
             continue
         out_name, raw, ggml_type = item
-        raw = np.ascontiguousarray(raw)
-        writer.add_tensor_info(out_name, raw.shape, raw.dtype, raw.nbytes, gguf.GGMLQuantizationType(ggml_type))
+        if not isinstance(raw, Streamed):
+            raw = Streamed.of(np.ascontiguousarray(raw), contents)
+        writer.add_tensor_info(out_name, raw.shape, np.dtype(np.uint8), raw.nbytes, gguf.GGMLQuantizationType(ggml_type))
         data.append(raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

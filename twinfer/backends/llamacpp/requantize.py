@@ -7,6 +7,7 @@ from pathlib import Path
 
 from twinfer.backends.llamacpp._lib import load_llama_cpp, set_quiet
 from twinfer.planners.formats import GGML_TYPES, written_format
+from twinfer.quant.gguf_retype import retype_gguf
 from twinfer.runtime.cache_dir import cache_dir
 from twinfer.runtime.errors import PlanError
 
@@ -32,16 +33,49 @@ def requantize_gguf(src: Path, mix: str, ftype: str, threads: int | None = None,
     params.ftype = getattr(lib, f"LLAMA_FTYPE_{ftype}")
     params.allow_requantize = True
     params.nthread = threads or 0
+    streamed = _streamed_embedding(src, embed) if embed else {}
     if embed:  # for a tied model llama.cpp applies token_embedding_type (it wins over output_tensor_type)
         params.token_embedding_type = params.output_tensor_type = _GGML_IDS[embed]
+    for name, source_type in streamed.items():  # llama.cpp copies these; they are re-encoded below
+        if name == EMBED:
+            params.token_embedding_type = source_type
+        else:
+            params.output_tensor_type = source_type
     tmp = out.with_suffix(".part")
     what = f"{mix} with a {embed} embedding" if embed else mix
     print(f"twinfer: requantizing {src.name} to {what} with llama.cpp (once; cached as {out})", file=sys.stderr)
     set_quiet(lib, True)  # its per-tensor log is hundreds of lines
     if lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
         raise PlanError(f"llama.cpp could not requantize {src} to {mix}")
+    if streamed:
+        assert embed is not None
+        staged = out.with_suffix(".stage")
+        tmp.replace(staged)
+        try:
+            retype_gguf(staged, tmp, dict.fromkeys(streamed, embed))
+        finally:
+            staged.unlink(missing_ok=True)
     tmp.replace(out)
     return out
+
+
+EMBED, OUTPUT = "token_embd.weight", "output.weight"
+
+
+def _streamed_embedding(src: Path, embed: str) -> dict[str, int]:
+    """The embedding/output tensors to re-encode after llama.cpp, block by block, with their source types.
+
+    llama.cpp converts a whole tensor to float32 before quantizing it (671 MB for a 262k x 640 embedding,
+    past the budget it is planning for); asked to keep the tensor's own type it copies it instead, and
+    `retype_gguf` converts it a few MB of rows at a time. Types gguf-py cannot encode stay with llama.cpp.
+    """
+    from twinfer.quant.gguf_retype import can_retype
+    from twinfer.quant.gguf_rewrite import TypedGGUF
+
+    tensors = TypedGGUF(src).tensors
+    return {name: tensors[name].ggml_type for name in (EMBED, OUTPUT)
+            if name in tensors and tensors[name].ggml_type != _GGML_IDS[embed]
+            and can_retype(tensors[name].ggml_type, embed)}
 
 
 def _embedding_type(src: Path, embed_type: str) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,30 @@ def load_gguf_tokenizer(
     cached = _read_cached(tok_file, info_file)
     if cached is not None:
         return cached
+    if _convert_in_child(p, root):  # the conversion's ~200 MB of scratch lives and dies in a child
+        cached = _read_cached(tok_file, info_file)
+        if cached is not None:
+            return cached
+    return convert_and_cache(p, root)
+
+
+def _convert_in_child(path: Path, root: Path) -> bool:
+    """Convert in a child interpreter, so this process's peak memory (what `--memory-budget` bounds) never
+    holds the conversion's Python objects; False when the child could not run (then convert here)."""
+    code = "import sys; from pathlib import Path; from twinfer.runtime.tokenizer.cache import convert_and_cache; " \
+           "convert_and_cache(Path(sys.argv[1]), Path(sys.argv[2]))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(path), str(root)], capture_output=True, timeout=600,
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0
+
+
+def convert_and_cache(p: Path, root: Path) -> tuple[HFTokenizer, convert.VocabInfo]:
+    """Convert `p`'s GGUF vocabulary to a `tokenizers` tokenizer and write it to the cache in `root`."""
+    key = cache_key(p)
+    tok_file, info_file = root / f"{key}.tokenizer.json", root / f"{key}.info.json"
     meta = read_gguf_metadata(p, keys_prefix=("tokenizer.", "general.architecture"))
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelError(

@@ -1,0 +1,133 @@
+"""twinfer at its defaults against llama.cpp's own tools, side by side in one run (no --threads anywhere).
+
+    python bench/bench_peers.py --llama-bin /path/to/llama.cpp/build/bin [--only single,batch,serve]
+
+Build the peers from the llama-cpp-python sdist's vendored llama.cpp (docs/benchmarks.md says how).
+Three pairs, each interleaved twice, best of each side:
+1. single stream: `twinfer bench -c 1` (64-token prompt, 128 tokens) vs `llama-bench -p 0 -n 128` (tg128);
+2. 16 streams: `twinfer bench -c 16 -p 64 -o 64` vs the perfect-batching ceiling (bench_engine.ceiling);
+3. HTTP: `twinfer serve` vs `llama-server -np 16`, both driven by `twinfer bench --url` (16 clients,
+   ~100-token prompts, 64 streamed tokens, ignore_eos), at the thread count each picks by default.
+Prints one JSON object with every figure, the ratios and the build/hardware context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_engine import _free_port, bench_prompts, ceiling  # noqa: E402
+
+from twinfer.app import OpenOptions, open_session  # noqa: E402
+from twinfer.app.bench import hardware_info  # noqa: E402
+from twinfer.runtime.cpu import default_threads  # noqa: E402
+from twinfer.runtime.loaders import default_model_path  # noqa: E402
+
+
+def llama_bench(bin_dir: Path, model: Path) -> float:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", "128", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    return float(rows[0]["avg_ts"])
+
+
+def twinfer_cli_bench(*args: str) -> dict[str, Any]:
+    """`twinfer bench ARGS --json` exactly as a user types it; its one result row."""
+    out = subprocess.run([sys.executable, "-m", "twinfer.cli.main", "bench", *args, "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    return dict(json.loads(out)["results"][0])
+
+
+def twinfer_single() -> dict[str, float]:
+    r = twinfer_cli_bench("-c", "1")
+    return {"twinfer_bench_c1_tok_s": r["output_tokens_per_s"], "twinfer_bench_c1_decode_tok_s": 1 / r["tpot_p50_s"]}
+
+
+def perfect_batching_ceiling() -> float:
+    """llama.cpp through the low-level API with perfect batching, at the runner's default threads."""
+    session = open_session(OpenOptions(None, "llamacpp", max_seqs=16, ctx=16 * 160 + 256))
+    try:
+        prompts = bench_prompts(session.opened, 16, 64, 0)
+        return max(ceiling(session.opened, prompts, 64) for _ in range(2))
+    finally:
+        session.close()
+
+
+def _serve(cmd: list[str], port: int) -> dict[str, Any]:
+    import httpx
+
+    from twinfer.runtime.server.http_bench import run_http_bench
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return run_http_bench(f"http://127.0.0.1:{port}", [16], 100, 64, requests_per_client=2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def serve_pair(bin_dir: Path, model: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    port = _free_port()
+    ours = _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), "--max-seqs", "16",
+                   "--ctx", "4096", "--no-loop-guard"], port)
+    port = _free_port()
+    theirs = _serve([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
+                     "-c", str(16 * 4096), "--no-webui"], port)
+    return ours, theirs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-bin", type=Path, required=True, help="folder holding llama-bench and llama-server")
+    ap.add_argument("--only", default="single,batch,serve")
+    args = ap.parse_args()
+    model = default_model_path()
+    parts = set(args.only.split(","))
+    out: dict[str, Any] = {"hardware": hardware_info(), "default_threads": default_threads(),
+                           "model": model.name}
+    for _ in range(2):
+        if "single" in parts:
+            out.setdefault("single", []).append({**twinfer_single(),
+                                                 "llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)})
+        if "batch" in parts:
+            ours = twinfer_cli_bench("-c", "16", "-p", "64", "-o", "64")["output_tokens_per_s"]
+            out.setdefault("batch", []).append({"twinfer_bench_c16_tok_s": ours,
+                                                "ceiling_tok_s": perfect_batching_ceiling()})
+        if "serve" in parts:
+            ours, theirs = serve_pair(args.llama_bin, model)
+            out.setdefault("serve", []).append({"twinfer_serve_tok_s": ours["results"][0]["output_tokens_per_s"],
+                                                "llama_server_tok_s": theirs["results"][0]["output_tokens_per_s"],
+                                                "twinfer_server": ours.get("server"),
+                                                "llama_server": theirs.get("server")})
+    best = {k: {f: max(r[f] for r in rows if isinstance(r[f], float)) for f in rows[0] if isinstance(rows[0][f], float)}
+            for k, rows in out.items() if k in ("single", "batch", "serve")}
+    out["best"] = best
+    ratios = {}
+    if "single" in best:
+        tg = best["single"]["llama_bench_tg128_tok_s"]
+        ratios["bench_c1_decode_vs_llama_bench"] = best["single"]["twinfer_bench_c1_decode_tok_s"] / tg
+        ratios["bench_c1_output_vs_llama_bench"] = best["single"]["twinfer_bench_c1_tok_s"] / tg
+    if "batch" in best:
+        ratios["bench_c16_vs_ceiling"] = best["batch"]["twinfer_bench_c16_tok_s"] / best["batch"]["ceiling_tok_s"]
+    if "serve" in best:
+        ratios["serve_vs_llama_server"] = best["serve"]["twinfer_serve_tok_s"] / best["serve"]["llama_server_tok_s"]
+    out["ratios"] = ratios
+    print(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
