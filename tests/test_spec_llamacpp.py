@@ -6,8 +6,8 @@ logits as decoding those tokens one per step (8 do not: another matmul path), he
 SpecConfig.max_k = 6 -- but only while the cache holds at most 256 cells: beyond that a lone query
 row takes ggml's split-KV flash attention, which sums over threads in another order than any
 multi-row step. So in the default mode, single-stream greedy output is identical with and without
-speculation for short contexts; the engine's batch-invariant mode pads lone rows (engine.PAD_SEQ)
-and is exact at any length, speculating while one request runs.
+speculation for short contexts; in the engine's batch-invariant mode the runner pads lone rows (with
+its reserved sequence) and is exact at any length, speculating while one request runs.
 """
 
 from __future__ import annotations

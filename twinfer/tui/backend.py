@@ -112,7 +112,6 @@ class LoadOptions:
     memory_budget: str | None = None  # --memory-budget: open through the app layer's local strategy
     allow_pruning: bool = False
     speculate: str = "off"  # --speculate: off, ngram, draft:PATH or self:N
-    parallel: tuple[int, int, int] = (1, 1, 1)  # --tp/--ep/--pp on the torch backend
 
 
 def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
@@ -138,7 +137,7 @@ def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
                         f"(`twinfer plan {path}` explains)")
     progress(2, total, f"loading {path.name} on {backend} (the first run also converts the tokenizer)")
     session = open_session(OpenOptions(str(path), backend, max_seqs=2, ctx=options.ctx, threads=options.threads,
-                                       speculate=options.speculate, parallel=options.parallel,
+                                       speculate=options.speculate,
                                        memory_budget=options.memory_budget, allow_pruning=options.allow_pruning))
     opened = session.opened
     progress(3, total, "starting the engine")
