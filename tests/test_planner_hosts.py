@@ -101,3 +101,22 @@ def test_planner_budget_and_cli_tests_pass_on_other_hosts(host: str, tmp_path: P
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *HOST_SENSITIVE],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_nothing_fits_names_the_budget_that_would(default_model: Path) -> None:
+    """The smallest change first: on a machine with memory to spare, the budget, not other hardware."""
+    from dataclasses import replace
+
+    from pinned_host import pinned_cpu
+
+    from twinfer.planners.plan import make_plan
+    from twinfer.planners.search import Request
+    from twinfer.planners.source import resolve
+
+    plan = make_plan(resolve(str(default_model)), replace(pinned_cpu(), memory_budget_bytes=300e6), Request(1024, 1))
+    assert not plan.fits
+    assert "raise --memory-budget to 3" in plan.suggestion and "--hardware" not in plan.suggestion
+    need = int(plan.suggestion.split("raise --memory-budget to ")[1].split()[0])
+    roomy = make_plan(resolve(str(default_model)), replace(pinned_cpu(), memory_budget_bytes=need * 1e6),
+                      Request(1024, 1))
+    assert roomy.fits  # the named budget is enough

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -260,6 +261,10 @@ def _bigger_device(cluster: Cluster, need: float, c: Candidate) -> str:
                 options.append((gb, d.bandwidth_gbs, d.name + (f"@{gb:g}" if d.memory_options_gb else "")))
     head = (f"needs about {fmt_bytes(need)} even as {c.strategy.mix.label or c.strategy.mix.name}, and this "
             f"{cluster.device.label} offers {fmt_bytes(cluster.capacity_bytes)} usable")
+    machine = cluster.device.memory_bytes * usable
+    if cluster.memory_budget_bytes is not None and machine >= need:  # the smallest change: the budget itself
+        return head + (f" under the budget; raise --memory-budget to {math.ceil(need / 1e6)} MB "
+                       f"(the machine has {fmt_bytes(machine)} usable)")
     if not options:
         return head + "; no single device of this kind holds it: plan it on a GPU server (--hardware hgx-h200)"
     gb, _, name = min(options, key=lambda o: (o[0], -o[1]))
