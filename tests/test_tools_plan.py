@@ -15,7 +15,7 @@ from twinfer.runtime.constraints import Constraint, Grammars  # noqa: E402
 from twinfer.runtime.constraints.mask import guide_for, row_masks  # noqa: E402
 from twinfer.runtime.errors import RequestError  # noqa: E402
 from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
-from twinfer.runtime.tools.families import family_of  # noqa: E402
+from twinfer.runtime.tools.families import MAX_PARALLEL_CALLS, family_of  # noqa: E402
 from twinfer.runtime.tools.plan import plan_tools  # noqa: E402
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -72,6 +72,10 @@ def test_required_grammar_admits_only_schema_valid_calls(tok: Tokenizer) -> None
     assert allowed_after(tok, c, '{"tool_calls": [{"name": "add", "arguments": {"a": ') == "-0123456789"
     assert allowed_after(tok, c, '{"tool_calls": [{"name": "add", "arguments": {"a": 1}}') == "]"  # not parallel
     assert allowed_after(tok, c, '{"tool_calls": [{"name": "sub"') == ""
+    parallel = plan_tools([ADD], "required", None, tok, None).constraint
+    one = '{"name": "add", "arguments": {"a": 1}}'
+    assert allowed_after(tok, parallel, '{"tool_calls": [' + one) == ",]"
+    assert allowed_after(tok, parallel, '{"tool_calls": [' + ", ".join([one] * MAX_PARALLEL_CALLS)) == "]"
     named = plan_tools([ADD, NOTE], {"type": "function", "function": {"name": "note"}}, None, tok, None).constraint
     assert allowed_after(tok, named, '{"tool_calls": [{"name": "') == "n"
 

@@ -22,6 +22,11 @@ To call {how}, reply with only this JSON and nothing else:
 Otherwise, reply normally."""
 
 
+# A forced reply holds at most this many calls: a base model given room for parallel calls repeats
+# them until max_tokens (Gemma 3 270M does), so the grammar ends the list.
+MAX_PARALLEL_CALLS = 8
+
+
 def family_of(template: str) -> str:
     if "[TOOL_CALLS]" in template:
         return "mistral"
@@ -53,15 +58,14 @@ def _json(schema: dict[str, Any]) -> str:
 
 def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -> str:
     """An llguidance grammar (JSON form) admitting only calls of `functions` in `family`'s syntax."""
-    many = "+" if parallel else ""
+    most = MAX_PARALLEL_CALLS if parallel else 1
+    many = f"{{1,{most}}}" if most > 1 else ""
     if family == "hermes":
         lark = f'start: call{many}\ncall: "<tool_call>\\n" {_json(_any_call(functions))} "\\n</tool_call>"\n'
     elif family == "llama3":
         lark = f"start: {_json(_any_call(functions, 'parameters'))}\n"
     else:
-        array = {"type": "array", "items": _any_call(functions), "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
+        array = {"type": "array", "items": _any_call(functions), "minItems": 1, "maxItems": most}
         if family == "mistral":
             lark = f'start: "[TOOL_CALLS]" {_json(array)}\n'
         else:
