@@ -1,9 +1,10 @@
-"""Published hardware specs, each row with its source.
+"""Published hardware specs, each row with its source: datacenter GPUs, Apple silicon, node shapes here;
+the GeForce, workstation and PCIe data-center cards people own in `hw_table_gpus.py`.
 
 Conventions: memory and bandwidth are per device, in decimal GB and GB/s as the vendor prints them;
 `interconnect_gbs` is the per-device peer bandwidth the vendor publishes (bidirectional aggregate for
 NVLink / Infinity Fabric, the PCIe x16 figure when a card has no peer link); tensor TFLOPS are *dense*
-(half the "with sparsity" marketing number). Clocks are boost clocks: they set how long the small,
+(half the "with sparsity" marketing number); a PCIe card on fewer lanes (x8) carries its own figure. Clocks are boost clocks: they set how long the small,
 latency-bound kernels of a decode step take (see calibration.py). Apple does not publish GPU clocks or
 FLOPS; those rows use the clocks measured in github.com/philipturner/metal-benchmarks and
 FLOPS = cores x 128 ALUs x 2 x clock.
