@@ -121,15 +121,20 @@ def generate(runner: OpsRunner, seq: int, prompt: list[int], table: list[int]) -
     return np.concatenate(rows), new
 
 
-def max_error(case: str, backend: str, folder: Path | None = None) -> float:
-    """max |twinfer - transformers| over two sequences' prefill and decode rows."""
+def max_error(case: str, backend: str, folder: Path | None = None, reference: Any = None) -> float:
+    """max |twinfer - transformers| over two sequences' prefill and decode rows (`reference`: another
+    transformers model than the case's)."""
     loaded = load_model(folder or saved(case))
     weights = {name: loaded.weights.load(name) for name in loaded.weights.names()}
     runner = BUILDERS[backend](loaded.spec, weights, kv_tokens=64 * BLOCK, block_size=BLOCK)
     worst = 0.0
     for seq, (prompt, first) in enumerate(((PROMPT_A, 0), (PROMPT_B, 30))):
         rows, new = generate(runner, seq, prompt, [first + 3 * i for i in range(8)])
-        ref = hf_logits(case, tuple(prompt + new))[: len(rows)]
+        if reference is None:
+            ref = hf_logits(case, tuple(prompt + new))[: len(rows)]
+        else:
+            with torch.no_grad():
+                ref = reference(torch.tensor([prompt + new])).logits[0].float().numpy()[: len(rows)]
         worst = max(worst, float(np.abs(rows - ref).max()))
     return worst
 
@@ -179,6 +184,37 @@ def test_mtp_layer_is_skipped_by_name(tmp_path: Path) -> None:
     save_file(state, str(folder / "model.safetensors"))
     loaded = load_model(folder)
     assert not any(name.startswith("layers.3.") for name in loaded.weights.names())
+
+
+@pytest.mark.parametrize("backend", sorted(BUILDERS))
+def test_gpt_oss_mxfp4_checkpoint(tmp_path: Path, backend: str) -> None:
+    """The published layout: experts as MXFP4 `*_blocks`/`*_scales` [E, out, in/32, 16] / [E, out, in/32]
+    (packed here by quant/mxfp4.py from the OCP specification), against transformers on the
+    dequantized experts."""
+    import copy
+
+    from safetensors.numpy import save_file
+
+    from twinfer.quant import mxfp4
+
+    model = copy.deepcopy(hf_model("gpt_oss-a"))
+    state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        packed = [mxfp4.pack(np.ascontiguousarray(w.T)) for w in state.pop(key)]  # [E, in, out] -> [out, in]
+        state[key + "_blocks"] = np.ascontiguousarray(np.stack([p.blocks for p in packed]))
+        state[key + "_scales"] = np.ascontiguousarray(np.stack([p.scales for p in packed]))
+        dequantized = np.stack([p.unpack().T for p in packed])  # back to transformers' [E, in, out]
+        with torch.no_grad():
+            model.get_parameter(key).copy_(torch.from_numpy(dequantized))
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    config = json.loads(model.config.to_json_string())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_model(folder).weights
+    assert weights.dtype_stored("layers.0.experts.gate") == "U8"
+    assert max_error("gpt_oss-a", backend, folder, reference=model) <= TOL
 
 
 def _char_tokenizer(folder: Path) -> None:

@@ -76,7 +76,7 @@ def spec_from_config(config: dict[str, Any], name: str = "") -> ModelSpec:
     """The ModelSpec of a transformers config.json dict."""
     arch = _architecture(config)
     quant = config.get("quantization_config")
-    if isinstance(quant, dict):  # published pre-quantized layouts: not read by this loader
+    if isinstance(quant, dict) and quant.get("quant_method") not in arch.hf_quant_methods:
         raise UnsupportedArchitecture(
             f"config.json quantization_config.quant_method {quant.get('quant_method')!r} is not supported; "
             "use the unquantized checkpoint, or a folder written by twinfer quantize"

@@ -1,7 +1,8 @@
 """Weight-name tables: how a file format's tensor names become twinfer's canonical names.
 
 A table is data: a list of `Rule(source, target, transform)`. `source` is a file tensor name with
-`{i}` (layer), `{e}` (expert) and `{*}` (anything) placeholders; `target` is the canonical name with
+`{i}` (layer), `{e}` (expert), `{part}` (one part of a packed weight, such as MXFP4's `blocks` and
+`scales`) and `{*}` (anything) placeholders; `target` is the canonical name with
 `{i}`, or None to drop the tensor on purpose (a vision tower in a text-only load). `transform` names
 an entry of `weights.TRANSFORMS` or of the table's own `transforms`. Several rules may read the same
 source (a fused gate/up tensor). Each architecture's tables live in its file in `runtime/models/`.
@@ -70,8 +71,8 @@ def rule(source: str, target: str | None, transform: str | None = None) -> Rule:
 
 # -- the mapper ------------------------------------------------------------------------------------
 def _compile(pattern: str) -> re.Pattern[str]:
-    parts = re.split(r"(\{i\}|\{e\}|\{\*\})", pattern)
-    groups = {"{i}": r"(?P<i>\d+)", "{e}": r"(?P<e>\d+)", "{*}": r".*"}
+    parts = re.split(r"(\{i\}|\{e\}|\{part\}|\{\*\})", pattern)
+    groups = {"{i}": r"(?P<i>\d+)", "{e}": r"(?P<e>\d+)", "{part}": r"(?P<part>[a-z]+)", "{*}": r".*"}
     return re.compile("".join(groups.get(p, re.escape(p)) for p in parts))
 
 
@@ -86,11 +87,12 @@ def map_weights(
     compiled = [(_compile(rule.source), rule) for rule in table.rules]
     single: dict[str, WeightEntry] = {}
     experts: dict[tuple[str, str], dict[int, StoredTensor]] = {}  # (target, transform) -> e -> tensor
+    parts: dict[tuple[str, str], dict[str, StoredTensor]] = {}  # (target, transform) -> part -> tensor
     for name, tensor in stored.items():
         key = _alias(name, table)
         if skip and key.startswith(skip):
             continue
-        hits = [(m, rule) for regex, rule in compiled if (m := regex.fullmatch(key))]
+        hits = [(m, rule) for regex, rule in compiled if (m := regex.fullmatch(key)) and _part_ok(m, rule, table)]
         if not hits:
             raise WeightError(f"unused tensor {name!r} in {origin}: no {table.name} weight maps to it")
         for m, rule in hits:
@@ -99,15 +101,25 @@ def map_weights(
             target = rule.target.format(i=int(m["i"])) if "{i}" in rule.target else rule.target
             if rule.transform is not None and table.transform(rule.transform).many:
                 experts.setdefault((target, rule.transform), {})[int(m["e"])] = tensor
+            elif rule.transform is not None and table.transform(rule.transform).parts:
+                parts.setdefault((target, rule.transform), {})[m["part"]] = tensor
             else:
                 _add(single, target, _entry(table, (tensor,), rule.transform), origin)
     for (target, transform), by_expert in experts.items():
         _add(single, target, _stack(target, transform, by_expert, spec, table, origin), origin)
+    for (target, transform), by_part in parts.items():
+        _add(single, target, _packed(target, transform, by_part, table, origin), origin)
     return WeightSet(spec, _check(spec, table, single, origin, expected))
 
 
 def _entry(table: NameTable, sources: tuple[StoredTensor, ...], transform: str | None) -> WeightEntry:
     return WeightEntry(sources, transform, None if transform is None else table.transform(transform))
+
+
+def _part_ok(m: re.Match[str], rule: Rule, table: NameTable) -> bool:
+    """A `{part}` match counts only for a part the rule's transform takes."""
+    part = m.groupdict().get("part")
+    return part is None or (rule.transform is not None and part in table.transform(rule.transform).parts)
 
 
 def _alias(name: str, table: NameTable) -> str:
@@ -141,6 +153,17 @@ def _stack(
             f"missing tensor {target!r} expert {missing[0]} (expected next to {some!r}) in {origin}"
         )
     return _entry(table, tuple(by_expert[e] for e in range(n)), transform)
+
+
+def _packed(
+    target: str, transform: str, by_part: dict[str, StoredTensor], table: NameTable, origin: str
+) -> WeightEntry:
+    wanted = table.transform(transform).parts
+    missing = [p for p in wanted if p not in by_part]
+    if missing:
+        some = next(iter(by_part.values())).name
+        raise WeightError(f"missing tensor {target!r} part {missing[0]!r} (expected next to {some!r}) in {origin}")
+    return _entry(table, tuple(by_part[p] for p in wanted), transform)
 
 
 def _check(

@@ -16,6 +16,9 @@ import numpy as np
 from twinfer.runtime.errors import ModelError, WeightError
 from twinfer.runtime.loaders.weights import FLOAT_STORAGE, Region, widen
 
+# Integer tensors of packed formats (MXFP4 blocks and E8M0 scales): read as their values in float32.
+INT_STORAGE: dict[str, str] = {"U8": "u1", "I8": "i1"}
+
 
 @dataclass(frozen=True)
 class SafetensorsTensor:
@@ -30,12 +33,20 @@ class SafetensorsTensor:
     data: np.memmap
 
     def read(self) -> np.ndarray:
+        if self.dtype in INT_STORAGE:
+            return self._ints().astype(np.float32)
         return widen(self.stored(), self.dtype)
 
     def read_region(self, region: Region) -> np.ndarray:
         """Only the region's elements are copied out of the mapping (what `safe_open(...).get_slice` does;
         its numpy framework cannot read BF16, so the mapping is sliced here)."""
+        if self.dtype in INT_STORAGE:
+            return self._ints()[region].astype(np.float32)
         return widen(self.stored()[region], self.dtype)
+
+    def _ints(self) -> np.ndarray:
+        dt = np.dtype(INT_STORAGE[self.dtype])
+        return np.frombuffer(self.data, dtype=dt, count=self.nbytes // dt.itemsize, offset=self.offset).reshape(self.shape)
 
     def stored(self) -> np.ndarray:
         """The stored values as a read-only view of the file mapping (BF16 as uint16), shaped."""

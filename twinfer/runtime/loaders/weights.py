@@ -91,6 +91,7 @@ class Transform:
     many: bool = False  # takes one source per expert ({e} in the rule)
     narrow: Narrow | None = None
     split: int = 1  # the weight is 1/split of its source (a half of a fused tensor): its share of the bytes
+    parts: tuple[str, ...] = ()  # takes one source per named part ({part} in the rule), in this order
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

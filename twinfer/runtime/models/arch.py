@@ -41,3 +41,4 @@ class Architecture:
     hf_spec: Callable[[dict[str, Any], Fields], Fields] | None = None
     gguf_spec: Callable[[GGUFKeys, Fields], Fields] | None = None
     hf_skip: Callable[[dict[str, Any]], tuple[str, ...]] | None = None  # tensor-name prefixes left unread
+    hf_quant_methods: tuple[str, ...] = ()  # published `quantization_config.quant_method`s its table reads

@@ -5,7 +5,10 @@ gate * sigmoid(alpha * gate) * (up + 1).
 
 transformers holds each layer's experts as `gate_up_proj` [E, C, 2I] with gate and up
 interleaved along the last axis (gate at even, up at odd columns) and `down_proj` [E, I, C]; the
-loader splits and transposes them to the canonical [E, I, C] / [E, C, I].
+loader splits and transposes them to the canonical [E, I, C] / [E, C, I]. Published checkpoints
+(`quantization_config.quant_method: mxfp4`) store the experts as MXFP4 `*_blocks` [E, out, in/32, 16]
+and `*_scales` [E, out, in/32] (gate and up interleaved along the rows); they are dequantized here
+on load (E2M1 values, even element in the low nibble, scale 2**(code - 127)).
 """
 
 from __future__ import annotations
@@ -61,6 +64,33 @@ def _columns(part: int, transpose: bool) -> Transform:
     return Transform(apply, shape, split=2)
 
 
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+MXFP4_PARTS = ("blocks", "scales")
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks [..., G, 16] (codes as values) and E8M0 scales [..., G] -> float32 [..., G * 32]."""
+    b, exp = blocks.astype(np.uint8), scales.astype(np.int32) - 127
+    values = np.empty((*b.shape[:-1], 32), dtype=np.float32)
+    values[..., 0::2], values[..., 1::2] = E2M1[b & 0x0F], E2M1[b >> 4]
+    values *= np.ldexp(np.float32(1.0), exp)[..., None].astype(np.float32)
+    return values.reshape(*b.shape[:-2], -1)
+
+
+def _mxfp4(rows: int | None) -> Transform:
+    """Dequantized MXFP4 experts [E, out, in]; `rows` 0 / 1 keeps the even (gate) / odd (up) rows."""
+
+    def apply(a: list[np.ndarray], spec: ModelSpec) -> np.ndarray:
+        w = dequantize_mxfp4(a[0], a[1])
+        return w if rows is None else w[:, rows::2]
+
+    def shape(s: list[Shape], spec: ModelSpec) -> Shape:
+        E, out, groups, _ = s[0]
+        return (E, out if rows is None else out // 2, groups * 32)
+
+    return Transform(apply, shape, split=1 if rows is None else 2, parts=MXFP4_PARTS)
+
+
 _TRANSPOSE = Transform(lambda a, spec: a[0].transpose(0, 2, 1), lambda s, spec: (s[0][0], s[0][2], s[0][1]))
 _X = L + "mlp.experts."
 HF_NAMES = NameTable(
@@ -76,10 +106,14 @@ HF_NAMES = NameTable(
         rule(_X + "gate_up_proj_bias", "layers.{i}.experts.up_bias", "up_bias_columns"),
         rule(_X + "down_proj", "layers.{i}.experts.down", "transpose_experts"),
         rule(_X + "down_proj_bias", "layers.{i}.experts.down_bias"),
+        rule(_X + "gate_up_proj_{part}", "layers.{i}.experts.gate", "mxfp4_gate"),
+        rule(_X + "gate_up_proj_{part}", "layers.{i}.experts.up", "mxfp4_up"),
+        rule(_X + "down_proj_{part}", "layers.{i}.experts.down", "mxfp4_experts"),
     ),
     transforms=(("gate_columns", _columns(0, True)), ("up_columns", _columns(1, True)),
                 ("gate_bias_columns", _columns(0, False)), ("up_bias_columns", _columns(1, False)),
-                ("transpose_experts", _TRANSPOSE)),
+                ("transpose_experts", _TRANSPOSE), ("mxfp4_gate", _mxfp4(0)), ("mxfp4_up", _mxfp4(1)),
+                ("mxfp4_experts", _mxfp4(None))),
 )
 
 
@@ -109,4 +143,5 @@ ARCH = Architecture(
         "num_experts_per_tok": 4, "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "attention_bias": True,
     },  # transformers' GptOssConfig defaults
     hf_spec=hf_spec,
+    hf_quant_methods=("mxfp4",),
 )
