@@ -137,7 +137,9 @@ def test_streamed_tool_call_deltas(srv: ServerThread) -> None:
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, stream=True, parallel_tool_calls=False,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert deltas and deltas[0].index == 0 and deltas[0].id and deltas[0].function.name == "get_weather"
+    assert len(deltas) == 2 and [d.index for d in deltas] == [0, 0]  # index, id and name first, then arguments
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
+    assert deltas[1].id is None and deltas[1].function.name is None
     arguments = "".join(d.function.arguments or "" for d in deltas)
     _args_ok("get_weather", arguments)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]

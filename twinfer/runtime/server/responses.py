@@ -123,19 +123,35 @@ class Follower:
     def chunk(self, delta: Delta | None = None, *, role: bool = False, logprobs: list[TokenLogprob] | None = None,
               want_logprobs: bool = False, finish_reason: str | None = None, include_usage: bool = False,
               text: str | None = None) -> str:
-        """One SSE chunk of this choice (`text`: a completions chunk's raw text)."""
+        """One SSE chunk of this choice (`text`: a completions chunk's raw text); a delta with tool
+        calls also gets, per call, a chunk with its index, id and name, then one with its arguments."""
         lp = logprobs if want_logprobs and logprobs else None
         if self.chat:
-            start = len(self.out.calls) - (len(delta.calls) if delta else 0)  # tool-call indices run per choice
-            choice = {"index": self.index, "delta": _chat_delta(delta, role, start),
-                      "logprobs": self.chat_logprobs(lp) if lp else None, "finish_reason": finish_reason}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": self.index, "text": text if text is not None else (delta.content if delta else ""),
-                      "logprobs": self.completion_logprobs(lp) if lp else None}
-            if finish_reason is not None:  # text_completion requires a reason string: only the last chunk has one
-                choice["finish_reason"] = finish_reason
-            kind = "text_completion"
+            body = _chat_delta(delta, role)
+            choice = {"index": self.index, "delta": body, "logprobs": self.chat_logprobs(lp) if lp else None,
+                      "finish_reason": finish_reason}
+            first = self._envelope(choice, include_usage) if body or lp or finish_reason else ""
+            return first + self._call_chunks(delta, include_usage)
+        choice = {"index": self.index, "text": text if text is not None else (delta.content if delta else ""),
+                  "logprobs": self.completion_logprobs(lp) if lp else None}
+        if finish_reason is not None:  # text_completion requires a reason string: only the last chunk has one
+            choice["finish_reason"] = finish_reason
+        return self._envelope(choice, include_usage)
+
+    def _call_chunks(self, delta: Delta | None, include_usage: bool) -> str:
+        if delta is None or not delta.calls:
+            return ""
+        start = len(self.out.calls) - len(delta.calls)  # tool-call indices run per choice
+        out = []
+        for i, c in enumerate(delta.calls):
+            head = {"index": start + i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+            for entry in (head, {"index": start + i, "function": {"arguments": c.arguments}}):
+                choice = {"index": self.index, "delta": {"tool_calls": [entry]}, "logprobs": None, "finish_reason": None}
+                out.append(self._envelope(choice, include_usage))
+        return "".join(out)
+
+    def _envelope(self, choice: dict[str, Any], include_usage: bool) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
         body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                                 "system_fingerprint": FINGERPRINT, "choices": [choice]}
         if include_usage:
@@ -143,7 +159,7 @@ class Follower:
         return sse(body)
 
 
-def _chat_delta(delta: Delta | None, role: bool, start: int) -> dict[str, Any]:
+def _chat_delta(delta: Delta | None, role: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if role:
         out["role"] = "assistant"
@@ -154,8 +170,6 @@ def _chat_delta(delta: Delta | None, role: bool, start: int) -> dict[str, Any]:
         out["reasoning_content"] = out["reasoning"] = delta.reasoning
     if delta.content:
         out["content"] = delta.content
-    if delta.calls:
-        out["tool_calls"] = [{"index": start + i, **tool_call(c)} for i, c in enumerate(delta.calls)]
     return out
 
 
