@@ -132,25 +132,7 @@ def create_app(async_engine: AsyncEngine | None, tokenizer: Any, model_name: str
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await handlers.generation(state, request, body)
 
-    @app.post("/v1/messages")
-    async def anthropic_messages(body: anthropic.MessagesRequest, request: Request) -> Response:
-        return await anthropic.messages(state, request, body)
-
-    @app.post("/v1/messages/count_tokens")
-    async def anthropic_count_tokens(body: anthropic.CountTokensRequest) -> dict[str, Any]:
-        return await anthropic.count_tokens(state, body)
-
-    @app.post("/v1/responses")
-    async def responses(body: responses_api.ResponsesRequest, request: Request) -> Response:
-        return await responses_api.create(state, request, body)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return await tokens.tokenize(state, body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return await tokens.detokenize(state, body)
+    _more_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -173,3 +155,27 @@ def create_app(async_engine: AsyncEngine | None, tokenizer: Any, model_name: str
         app.add_middleware(RequireApiKey, api_key=api_key)
     app.add_middleware(CountRequests, record=state.metrics.record_http)
     return app
+
+
+def _more_routes(app: FastAPI, state: ServerState) -> None:
+    """Anthropic's Messages API, OpenAI's Responses API and vLLM's tokenizer routes."""
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: anthropic.MessagesRequest, request: Request) -> Response:
+        return await anthropic.messages(state, request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(body: anthropic.CountTokensRequest) -> dict[str, Any]:
+        return await anthropic.count_tokens(state, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: responses_api.ResponsesRequest, request: Request) -> Response:
+        return await responses_api.create(state, request, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokens.tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await tokens.detokenize(state, body)
