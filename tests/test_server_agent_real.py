@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("llama_cpp")
@@ -100,3 +101,15 @@ def test_json_schema_and_json_object(srv: ServerThread) -> None:
     assert done, [(ch.finish_reason, ch.message.content) for ch in r.choices]
     assert all(isinstance(json.loads(text), dict) for text in done)
     assert all(ch.message.content.startswith("{") for ch in r.choices)
+
+
+def test_n_choices_share_the_prompt_on_llama_cpp(srv: ServerThread) -> None:
+    prompt = "The history of the printing press begins in the fifteenth century, when " * 6
+    r = client(srv).completions.create(model=NAME, prompt=prompt, n=2, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text  # greedy, one shared prefix
+    assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens // 2
+    text = httpx.get(srv.url + "/metrics").text
+    cached = next(float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith("twinfer_prompt_cached_tokens_total"))
+    assert cached >= r.usage.prompt_tokens_details.cached_tokens
