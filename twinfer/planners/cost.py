@@ -70,11 +70,23 @@ class StepTime:
 
 def _native(device: Device, fmt_name: str) -> bool:
     f = FORMATS[fmt_name]
+    if device.kind == CPU:  # no matrix units: only float weights skip an unpacking loop
+        return f.family == "float" and f.compute in device.natives
     return f.family not in ("gguf", "turboquant") and f.compute in device.natives
 
 
 def kv_native(device: Device, kv: KVFormat) -> bool:
     return kv.family == "float" and kv.compute in device.natives
+
+
+def _compute_peak(dev: Device, dtype: str) -> float:
+    """FLOP/s the matmuls of weights in format `dtype` run at. A CPU multiplies integer-quantized weights
+    (GGUF blocks, int4/int8) against 8-bit activations with its int8 dot-product instructions, and
+    everything else in f32 FMAs; a GPU uses its tensor peak for a native format, else the activations'."""
+    if dev.kind == CPU:
+        integer = FORMATS[dtype].family in ("gguf", "int") and "int8" in dev.natives
+        return dev.tflops("int8" if integer else "f32") * 1e12
+    return dev.tflops(FORMATS[dtype].compute if _native(dev, dtype) else _activation_dtype(dev)) * 1e12
 
 
 def _activation_dtype(device: Device) -> str:
@@ -142,8 +154,8 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
 
     flops = mb * (2 * profile.active_params + profile.attention_flops_per_token(context)) / shard
     dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
-    peak = dev.tflops(FORMATS[dtype].compute if _native(dev, dtype) else _activation_dtype(dev)) * 1e12
-    compute_s = flops / (peak * eff.tensor) if dev.kind != CPU else flops / (dev.vector_tflops * 1e12 * eff.tensor)
+    peak = _compute_peak(dev, dtype)
+    compute_s = flops / (peak * eff.tensor)
     elems, ops = _dequant_elems(profile, dev, s.mix, touched)
     passes = math.ceil(mb / (4 if dev.kind == CPU else 32))  # weights expanded once per tile of tokens
     kv_ops = 0.0 if kv_native(dev, s.kv) else kv * 8 / s.kv.bits_at(profile.spec.head_dim) * s.kv.dequant_ops
@@ -183,11 +195,7 @@ def prefill_time(profile: ModelProfile, cluster: Cluster, s: Strategy, tokens: i
         attn += 2.0 * spec.num_heads * per_head * tokens * span
     flops = (2 * tokens * profile.active_params + attn) / shard
     dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
-    if dev.kind == CPU:
-        peak = dev.vector_tflops * 1e12
-    else:
-        peak = dev.tflops(FORMATS[dtype].compute if _native(dev, dtype) else _activation_dtype(dev)) * 1e12
-    compute_s = flops / (peak * eff.tensor)
+    compute_s = flops / (_compute_peak(dev, dtype) * eff.tensor)
     touched = profile.touched_experts(tokens)
     weights = profile.step_bytes(s.mix, touched) / shard
     memory_s = weights / (dev.bandwidth_gbs * 1e9 * eff.bandwidth)
