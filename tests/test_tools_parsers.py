@@ -110,3 +110,40 @@ def test_reasoning_split_from_content_and_calls() -> None:
     assert (d.reasoning, d.content) == ("", "No thinking here.")
     d = run(ReasoningParser(parser_for("generic", NAMES)), ["<think>cut off mid-thought"])
     assert (d.reasoning, d.content) == ("cut off mid-thought", "")
+
+
+HARMONY = ("<|channel|>analysis<|message|>User wants weather. Call the tool.<|end|><|start|>assistant"
+           "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}")
+HARMONY_FINAL = ("<|channel|>analysis<|message|>Easy: 2 + 2.<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>It is 4.")
+
+
+def test_harmony_channels_and_calls_however_split() -> None:
+    for chunks in splits(HARMONY):  # <|call|> ends generation: the engine drops it
+        d = run(parser_for("harmony", NAMES), chunks)
+        assert d.reasoning == "User wants weather. Call the tool." and calls(d) == [("get_weather", {"city": "Paris"})]
+        assert d.content == "" and d.failures == 0, chunks
+    for chunks in splits(HARMONY_FINAL):
+        d = run(parser_for("harmony", NAMES), chunks)
+        assert (d.reasoning, d.content, d.calls) == ("Easy: 2 + 2.", "It is 4.", []), chunks
+    p = parser_for("harmony", NAMES)
+    assert p.feed("<|channel|>final<|message|>Hel").content == "Hel"  # content streams as it comes
+    assert p.feed("lo<|en").content == "lo" and p.feed("d|>").content == ""
+    bad = run(parser_for("harmony", NAMES), ["<|channel|>commentary to=functions.nope<|message|>{}"])
+    assert bad.calls == [] and bad.failures == 1
+
+
+def test_follower_feeds_harmony_the_text_with_control_tokens() -> None:
+    from test_constraints import char_tokenizer
+
+    from twinfer.runtime.engine.request import RequestOutput
+    from twinfer.runtime.server.metrics import ServerMetrics
+    from twinfer.runtime.server.responses import Follower
+
+    tok = char_tokenizer()
+    ids = tok.encode(HARMONY_FINAL, add_special_tokens=False) + [tok.bos_id]  # a control token the text skips
+    f = Follower("r", "m", True, tok, ServerMetrics(lambda: None), 0.0, parser=parser_for("harmony", NAMES))
+    f.feed(RequestOutput("r", "ignored", ids[:20]))
+    f.feed(RequestOutput("r", "ignored", ids[20:], finished=True, finish_reason="stop"))
+    message = f.choice(False)["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Easy: 2 + 2.", "It is 4.<s>")

@@ -46,6 +46,7 @@ def test_family_from_template() -> None:
     assert family_of("[AVAILABLE_TOOLS] [TOOL_CALLS]") == "mistral"
     assert family_of("<|start_header_id|>ipython {% if tools %}") == "llama3"
     assert family_of("<start_of_turn>user") == "generic"
+    assert family_of("<|start|>assistant<|channel|>final<|message|>") == "harmony"
 
 
 def test_generic_form_rewrites_the_conversation(tok: Tokenizer) -> None:
@@ -95,6 +96,10 @@ def test_bad_tool_requests(tok: Tokenizer) -> None:
         with pytest.raises(RequestError, match=needle):
             plan_tools(tools, choice, None, tok, None)
     assert plan_tools([ADD], "none", None, tok, None).constraint is None
+    gpt_oss = type("T", (), {"chat_template": "<|channel|>{{ tools }}"})()
+    with pytest.raises(RequestError, match="harmony"):
+        plan_tools([ADD], "required", None, gpt_oss, None)
+    assert plan_tools(None, None, None, gpt_oss, None).family == "harmony"  # channels parsed without tools too
 
 
 def test_a_thinking_models_constraint_starts_after_the_reasoning(tok: Tokenizer) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from twinfer.runtime.engine.request import RequestOutput, TokenLogprob
 from twinfer.runtime.server.metrics import ServerMetrics
+from twinfer.runtime.tokenizer.detok import StreamDecoder
 from twinfer.runtime.tools.events import Delta, OutputParser, PlainText, ToolCall
 
 FINGERPRINT = "twinfer"
@@ -42,6 +43,7 @@ class Follower:
         self.cached_tokens = 0
         self.first_token: float | None = None
         self.text_offset = 0  # completions logprobs: characters before the next token
+        self._special: StreamDecoder | None = None
 
     def feed(self, out: RequestOutput) -> Delta:
         """Take one engine delta; returns what it adds to the choice (for a stream chunk)."""
@@ -49,7 +51,7 @@ class Follower:
         if out.token_ids and self.first_token is None:
             self.first_token = now
         self.token_ids += out.token_ids
-        delta = self.parser.feed(out.text)
+        delta = self.parser.feed(self._text(out))
         if out.finished:
             delta.extend(self.parser.finish())
         self.out.extend(delta)
@@ -63,6 +65,15 @@ class Follower:
             self.finish_reason = "tool_calls" if self.out.calls and reason == "stop" else reason
             self._record(now)
         return delta
+
+    def _text(self, out: RequestOutput) -> str:
+        """The delta's text; for parsers that read control tokens (harmony), decoded with them."""
+        if not getattr(self.parser, "wants_special_tokens", False):
+            return out.text
+        if self._special is None:
+            self._special = StreamDecoder(self.tokenizer, False)
+        text = "".join(self._special.push(t) for t in out.token_ids)
+        return text + (self._special.flush() if out.finished else "")
 
     def _record(self, now: float) -> None:
         ttft = None if self.first_token is None else self.first_token - self.arrival

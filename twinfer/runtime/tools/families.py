@@ -1,6 +1,6 @@
 """Tool-call families: which one a chat template speaks, its call grammar, and the generic form.
 
-The family is read from the template text: `[TOOL_CALLS]` (Mistral), `<tool_call>` (Hermes, Qwen),
+The family is read from the template text: `<|channel|>` (gpt-oss harmony), `[TOOL_CALLS]` (Mistral), `<tool_call>` (Hermes, Qwen),
 `<|python_tag|>` or Llama 3 headers with tools (Llama 3 JSON); a template that never mentions
 tools gets the generic form (docs/api.md): the tool list goes into the system message and the
 reply is `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
@@ -28,6 +28,8 @@ MAX_PARALLEL_CALLS = 8
 
 
 def family_of(template: str) -> str:
+    if "<|channel|>" in template:
+        return "harmony"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template:

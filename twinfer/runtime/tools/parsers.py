@@ -5,6 +5,7 @@
 - `llama3` (Llama 3.1+): the reply is `{"name": ..., "parameters": {...}}` (optionally after
   `<|python_tag|>`; several calls separated by `;`);
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`;
+- `harmony` (gpt-oss): channels and `to=functions.NAME` recipients, see harmony.py;
 - `generic` (templates without tool support, see docs/api.md): the reply is
   `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
 A call that does not parse, or names no known function, comes back as content and is counted in
@@ -18,6 +19,7 @@ from collections.abc import Collection
 from typing import Any
 
 from twinfer.runtime.tools.events import Delta, ToolCall, held_prefix
+from twinfer.runtime.tools.harmony import HarmonyParser
 
 
 def _calls(items: Any, names: Collection[str], args_key: tuple[str, ...] = ("arguments", "parameters")
@@ -147,7 +149,9 @@ class WholeReplyParser:
             return None
 
 
-def parser_for(family: str, names: Collection[str]) -> TaggedParser | WholeReplyParser:
+def parser_for(family: str, names: Collection[str]) -> TaggedParser | WholeReplyParser | HarmonyParser:
     if family == "hermes":
         return TaggedParser(names)
+    if family == "harmony":
+        return HarmonyParser(names)
     return WholeReplyParser(names, family)

@@ -54,8 +54,10 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     template = getattr(tokenizer, "chat_template", None) or ""
     reasoning = thinks(template)
     choice = _choice(tool_choice, bool(tools))
-    if not tools or choice == "none":
-        return ToolPlan(reasoning=reasoning, constraint=_thinking_first(constraint, reasoning))
+    family = family_of(template)
+    if not tools or choice == "none":  # harmony's channels are parsed even without tools
+        return ToolPlan("harmony" if family == "harmony" else None, reasoning=reasoning,
+                        constraint=_thinking_first(constraint, reasoning))
     functions = _functions(tools)
     if isinstance(choice, dict):
         name = choice["name"]
@@ -67,7 +69,9 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         forced = functions if choice == "required" else {}
     if forced and constraint is not None:
         raise RequestError("tool_choice 'required' or a named function cannot be combined with response_format")
-    family = family_of(template)
+    if forced and family == "harmony":
+        raise RequestError("tool_choice 'required' or a named function is not enforced for harmony (gpt-oss) "
+                           "templates yet; use 'auto'")
     plan = ToolPlan(family, functions, reasoning=reasoning)
     if family == "generic":
         plan.rewrite = generic_messages(list(functions.values()), parallel is not False)

@@ -1,0 +1,96 @@
+"""gpt-oss's harmony format: the reply is a run of messages, each `<|channel|>NAME ... <|message|>BODY`
+ended by `<|end|>`, `<|call|>` or `<|return|>` (the last two are end-of-generation tokens the engine
+drops), with `<|start|>assistant` between messages.
+
+The `analysis` channel is reasoning, `final` (and `commentary` without a recipient) is content, and a
+message addressed `to=functions.NAME` is a call whose body is its JSON arguments. The parser reads the
+text decoded *with* control tokens (`wants_special_tokens`), since without them the channels vanish.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection
+
+from twinfer.runtime.tools.events import Delta, ToolCall, held_prefix
+
+MESSAGE, ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
+_RECIPIENT = re.compile(r"to=functions\.([\w.-]+)")
+_CHANNEL = re.compile(r"<\|channel\|>(\w+)")
+
+
+class HarmonyParser:
+    wants_special_tokens = True
+
+    def __init__(self, names: Collection[str]):
+        self.names = names
+        self.buf = ""
+        self.header: str | None = None  # the current message's header once its <|message|> is seen
+
+    def feed(self, text: str) -> Delta:
+        self.buf += text
+        out = Delta()
+        while True:
+            if self.header is None:
+                i = self.buf.find(MESSAGE)
+                if i < 0:
+                    return out
+                self.header, self.buf = self.buf[:i], self.buf[i + len(MESSAGE) :]
+            end = min((j for j in (self.buf.find(e) for e in ENDS) if j >= 0), default=-1)
+            if end < 0:
+                self._stream(out, final=False)
+                return out
+            body = self.buf[:end]
+            self.buf = self.buf[end:].split(">", 1)[1] if ">" in self.buf[end:] else ""
+            self._close(body, out)
+
+    def _kind(self) -> tuple[str, str | None]:
+        header = self.header or ""
+        recipient = _RECIPIENT.search(header)
+        channel = _CHANNEL.search(header)
+        return (channel.group(1) if channel else "final"), (recipient.group(1) if recipient else None)
+
+    def _stream(self, out: Delta, final: bool) -> None:
+        """Send what is certain of a reasoning or content body; calls wait for their end."""
+        channel, recipient = self._kind()
+        if recipient is not None:
+            return
+        keep = 0 if final else max(held_prefix(self.buf, e) for e in ENDS)
+        piece, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+        if channel == "analysis":
+            out.reasoning += piece
+        else:
+            out.content += piece
+
+    def _close(self, body: str, out: Delta) -> None:
+        channel, recipient = self._kind()
+        self.header = None
+        if recipient is None:
+            if channel == "analysis":
+                out.reasoning += body
+            else:
+                out.content += body
+            return
+        try:
+            args = json.loads(body) if body.strip() else {}
+        except ValueError:
+            args = None
+        if recipient in self.names and isinstance(args, dict):
+            out.calls.append(ToolCall(recipient, json.dumps(args, ensure_ascii=False)))
+        else:
+            out.content += body
+            out.failures += 1
+
+    def finish(self) -> Delta:
+        out = Delta()
+        if self.header is not None:
+            channel, recipient = self._kind()
+            if recipient is None:
+                self._stream(out, final=True)
+                self.header = None
+            else:
+                body, self.buf = self.buf, ""
+                self._close(body, out)
+        self.buf = ""
+        return out
