@@ -72,7 +72,8 @@ def _native(device: Device, fmt_name: str) -> bool:
     f = FORMATS[fmt_name]
     if device.kind == CPU:  # no matrix units: only float weights skip an unpacking loop
         return f.family == "float" and f.compute in device.natives
-    return f.family not in ("gguf", "turboquant") and f.compute in device.natives
+    # weight-only integer formats (W8A16, W4A16) always expand to the activations' dtype first
+    return f.family not in ("gguf", "turboquant", "int") and f.compute in device.natives
 
 
 def kv_native(device: Device, kv: KVFormat) -> bool:
