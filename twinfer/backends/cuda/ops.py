@@ -360,7 +360,7 @@ class TorchOps:
                 first: int, moe: MoESpec | None, extras: ExpertExtras | None) -> torch.Tensor:
         """Local expert `e` over its tokens' rows h [n, C] -> [n, C]."""
         def bias(b: torch.Tensor | None) -> torch.Tensor | None:
-            return None if b is None else b[first + e]
+            return None if b is None else b[e]  # biases are held like the experts: local ids
 
         xb = extras or ExpertExtras()
         g = F.linear(h, gate[e], bias(xb.gate_bias))

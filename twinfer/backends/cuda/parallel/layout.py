@@ -85,10 +85,8 @@ class ParallelConfig:
                 raise PlanError(f"--ep {self.ep} does not divide the model's {s.moe.num_experts} experts")
             if s.moe.expert_intermediate_size % tp:
                 raise PlanError(f"--tp {tp} does not divide the expert width {s.moe.expert_intermediate_size}")
-            if s.moe.num_shared_experts:
-                raise PlanError("shared experts are not supported by the parallel torch backend yet")
-        if s.mla is not None:
-            raise PlanError("multi-head latent attention is not supported by the parallel torch backend yet")
+            if s.moe.shared_intermediate_size % tp:
+                raise PlanError(f"--tp {tp} does not divide the shared experts' width {s.moe.shared_intermediate_size}")
         if self.pp > s.num_layers:
             raise PlanError(f"--pp {self.pp} is more stages than the model's {s.num_layers} layers")
 

@@ -29,7 +29,7 @@ from twinfer.backends.cuda.parallel.shard import (
 )
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.models import model_for
-from twinfer.runtime.ops import Ops
+from twinfer.runtime.ops import ExpertExtras, Ops
 from twinfer.runtime.spec import ModelSpec, MoESpec
 
 LOGITS_TAG = 1 << 20  # pipeline tags: micro-batch index for hidden states, this + index for logits
@@ -71,15 +71,30 @@ class ParallelTorchOps(TorchOps):
         return self.tp.all_reduce(rows)  # exactly one rank contributes each row
 
     def moe(self, x: torch.Tensor, router: torch.Tensor, gate: Any, up: Any, down: Any, moe: MoESpec,
-            act: str) -> torch.Tensor:
+            act: str, extras: ExpertExtras | None = None) -> torch.Tensor:
         if not isinstance(gate, Sharded):
-            return super().moe(x, router, gate, up, down, moe, act)
-        weights, experts = self.route(x, router, moe)  # the router is replicated: same routing everywhere
-        if self.config.ep_all_to_all(x.shape[0], moe.top_k):
+            return super().moe(x, router, gate, up, down, moe, act, extras)
+        extras = self._local_extras(extras)
+        weights, experts = self.route(x, router, moe, extras)  # the router is replicated: same routing everywhere
+        plain = moe.swiglu_limit is None and (extras is None or extras.gate_bias is None)
+        if plain and self.config.ep_all_to_all(x.shape[0], moe.top_k):
             return all_to_all_moe(self, self.stage, self.tp.size, x, weights, experts, gate.tensor, up.tensor,
                                   down.tensor, act, gate.offset)
-        out = self.experts(x, weights, experts, gate.tensor, up.tensor, down.tensor, act, first=gate.offset)
+        out = self.experts(x, weights, experts, gate.tensor, up.tensor, down.tensor, act, first=gate.offset,
+                           moe=moe, extras=extras)
         return self.stage.all_reduce(out)  # combine: every expert group's and tensor rank's share
+
+    def _local_extras(self, extras: ExpertExtras | None) -> ExpertExtras | None:
+        """The expert biases this rank holds; the down bias only on tensor rank 0 (the combine sums the ranks)."""
+        if extras is None:
+            return None
+
+        def local(b: Any) -> Any:
+            return b.tensor if isinstance(b, Sharded) else b
+
+        down = local(extras.down_bias) if self.tp.rank == 0 else None
+        return ExpertExtras(router_bias=extras.router_bias, score_bias=extras.score_bias,
+                            gate_bias=local(extras.gate_bias), up_bias=local(extras.up_bias), down_bias=down)
 
 
 class ShardedModel:

@@ -6,7 +6,9 @@ tensor group afterwards); the embedding and lm_head are vocab-parallel; experts 
 expert groups, each expert's width across tensor ranks; norms and the router are replicated. A
 pipeline stage keeps only its own layers (the embedding on the first stage, norm and lm_head on
 the last). Fewer KV heads than tensor ranks are replicated, so every rank holds the KV head its
-query heads read.
+query heads read. Multi-head latent attention splits its heads (`q`/`q_b`, the absorbed `kv_b_k`,
+`kv_b_v`) and replicates the latent: every rank caches the whole latent its heads attend over.
+Shared experts split like the dense MLP; attention sinks by head; expert biases with their experts.
 
 `shard_request` is the one place these rules live. A rank reads exactly the box it names from the
 model file (`WeightSet.load_region`: a slice of the file, not the full tensor) and never opens the
@@ -27,7 +29,10 @@ from twinfer.runtime.loaders.weights import Region
 from twinfer.runtime.spec import ModelSpec
 
 REPLICATED, COLUMN, ROW, VOCAB, EXPERTS = "replicated", "column", "row", "vocab", "experts"
-_REPLICATED = {"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "router"}
+_REPLICATED = {"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "router",
+               "router_bias", "router_score_bias", "o_bias",
+               # MLA's low-rank down-projections and their norms: every rank needs the whole latent
+               "q_a", "q_a_bias", "q_a_norm", "kv_a", "kv_a_bias", "kv_a_norm"}
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ def local_spec(spec: ModelSpec, pos: RankPosition) -> ModelSpec:
     tp = pos.config.tp
     moe = spec.moe
     if moe is not None:
-        moe = replace(moe, expert_intermediate_size=moe.expert_intermediate_size // tp)
+        moe = replace(moe, expert_intermediate_size=moe.expert_intermediate_size // tp,
+                      shared_intermediate_size=moe.shared_intermediate_size // tp)
     return spec.with_(
         num_heads=spec.num_heads // tp,
         num_kv_heads=max(1, spec.num_kv_heads // tp),
@@ -110,30 +116,38 @@ def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankP
     if name == "norm" or part in _REPLICATED:
         return Part(REPLICATED)
     D = spec.head_dim
-    if part in ("q", "q_bias"):
+    if part in ("q", "q_bias", "q_b"):  # by whole heads (MLA: head_dim is qk_nope + qk_rope)
         h = spec.num_heads // tp
         return Part(COLUMN, (slice(t * h * D, (t + 1) * h * D),))
+    if part in ("sinks", "kv_b_k", "kv_b_v"):  # one entry per head along the first axis
+        h = spec.num_heads // tp
+        return Part(COLUMN, (slice(t * h, (t + 1) * h),))
     if part in ("k", "v", "k_bias", "v_bias"):
         kv = spec.num_kv_heads
         first, n = (t * kv // tp, kv // tp) if kv % tp == 0 else (t * kv // tp, 1)
         return Part(COLUMN, (slice(first * D, (first + n) * D),))
-    if part == "o":
-        h = spec.num_heads // tp
-        return Part(ROW, (slice(None), slice(t * h * D, (t + 1) * h * D)))
-    if part in ("gate", "up"):
-        n = shape[0] // tp
-        return Part(COLUMN, (slice(t * n, (t + 1) * n),))
-    if part == "down":
+    if part in ("o", "down", "shared.down"):  # input columns: heads' outputs, or the MLP width
         n = shape[1] // tp
         return Part(ROW, (slice(None), slice(t * n, (t + 1) * n)))
+    if part in ("gate", "up", "shared.gate", "shared.up"):
+        n = shape[0] // tp
+        return Part(COLUMN, (slice(t * n, (t + 1) * n),))
     if part.startswith("experts."):
-        g, e = pos.expert_group, shape[0] // pos.config.ep
-        axis = 2 if part == "experts.down" else 1  # each expert's width: [E, I, C] rows, [E, C, I] columns
-        n = shape[axis] // tp
-        box = [slice(g * e, (g + 1) * e), slice(None), slice(None)]
-        box[axis] = slice(t * n, (t + 1) * n)
-        return Part(EXPERTS, tuple(box), g * e)
+        return _experts_part(part, shape, pos)
     raise WeightError(f"no tensor-parallel rule for weight {name!r}; the parallel torch backend cannot split it")
+
+
+def _experts_part(part: str, shape: tuple[int, ...], pos: RankPosition) -> Part:
+    """This expert group's experts; each expert's width split across tensor ranks ([E, I, C] rows,
+    [E, C, I] columns, [E, I] biases); the down bias [E, C] is whole (one tensor rank adds it)."""
+    tp, t = pos.config.tp, pos.tp_rank
+    g, e = pos.expert_group, shape[0] // pos.config.ep
+    box = [slice(g * e, (g + 1) * e)] + [slice(None)] * (len(shape) - 1)
+    axis = {"experts.down": 2, "experts.down_bias": None}.get(part, 1)
+    if axis is not None:
+        n = shape[axis] // tp
+        box[axis] = slice(t * n, (t + 1) * n)
+    return Part(EXPERTS, tuple(box), g * e)
 
 
 def read_part(weights: WeightReader, name: str, part: Part) -> np.ndarray:
