@@ -8,6 +8,7 @@ Three pairs, each interleaved twice, best of each side:
 2. 16 streams: `twinfer bench -c 16 -p 64 -o 64` vs the perfect-batching ceiling (bench_engine.ceiling);
 3. HTTP: `twinfer serve` vs `llama-server -np 16`, both driven by `twinfer bench --url` (16 clients,
    ~100-token prompts, 64 streamed tokens, ignore_eos), at the thread count each picks by default.
+4. the planner: `twinfer plan` vs `twinfer bench -c 1` at 64- and 4,096-token prompts (decode and TTFT).
 Prints one JSON object with every figure, the ratios and the build/hardware context.
 """
 
@@ -90,15 +91,34 @@ def serve_pair(bin_dir: Path, model: Path) -> tuple[dict[str, Any], dict[str, An
     return ours, theirs
 
 
+def plan_vs_bench() -> list[dict[str, Any]]:
+    """`twinfer plan` (default model, this machine, bandwidth measured once) against `twinfer bench` at
+    the same shape: a 64-token prompt (the bench default) and a 4,096-token one (the plan default)."""
+    subprocess.run([sys.executable, "-m", "twinfer.cli.main", "hw", "--measure", "--json"], check=True,
+                   capture_output=True)
+    rows = []
+    for prompt, context in ((64, 64), (4096, 4096)):  # the plan prices a prompt of `context` tokens
+        plan = json.loads(subprocess.run([sys.executable, "-m", "twinfer.cli.main", "plan", "--context", str(context),
+                                          "--json"], capture_output=True, text=True, check=True).stdout)
+        r = twinfer_cli_bench("-c", "1", "-p", str(prompt), "-o", "64", "--requests-per-client", "2")
+        rows.append({"prompt_tokens": prompt, "context": context, "kv_format": plan["kv_format"],
+                     "predicted_decode_tok_s": plan["predicted"]["decode_tokens_per_s"],
+                     "measured_decode_tok_s": 1 / r["tpot_p50_s"],
+                     "predicted_ttft_s": plan["predicted"]["ttft_s"], "measured_ttft_s": r["ttft_p50_s"]})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-bin", type=Path, required=True, help="folder holding llama-bench and llama-server")
-    ap.add_argument("--only", default="single,batch,serve")
+    ap.add_argument("--only", default="plan,single,batch,serve")
     args = ap.parse_args()
     model = default_model_path()
     parts = set(args.only.split(","))
     out: dict[str, Any] = {"hardware": hardware_info(), "default_threads": default_threads(),
                            "model": model.name}
+    if "plan" in parts:
+        out["plan_vs_bench"] = plan_vs_bench()
     for _ in range(2):
         if "single" in parts:
             out.setdefault("single", []).append({**twinfer_single(),
