@@ -83,6 +83,11 @@ def open_session(options: OpenOptions) -> Session:
         runner_options = dict(o.runner_options)
         if o.batch_invariant:  # llama.cpp: each sequence in its own KV stream, its cells where they lie alone
             runner_options.setdefault("unified_kv", False)
+        elif parse_speculate(o.speculate)[0] == "off":
+            # llama.cpp's own default, weights repacked into its interleaved GEMM tiles: faster batched
+            # steps, but a row's logits then depend on its place in the batch, which only the exact
+            # modes (batch-invariant, speculative verification) must rule out
+            runner_options.setdefault("repack", True)
         opened = open_model(o.model, o.backend, max_seqs=o.max_seqs, ctx=o.ctx, threads=o.threads,
                             parallel=o.parallel, runner_options=runner_options or None)
     assert opened.loaded is not None

@@ -64,7 +64,7 @@ def generate(
         Optional[bool],  # noqa: UP045
         typer.Option("--chat/--raw", help="Wrap the prompt in the chat template (default: only for chat-tuned models)."),
     ] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU compute threads (default: the physical cores this process may use).")] = None,  # noqa: UP045
     speculate: SpeculateOpt = "off",
     tp: TpOpt = 1,
     ep: EpOpt = 1,
@@ -104,13 +104,13 @@ def eval_kl(
 def bench(
     model: ModelArg = None,
     concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Comma-separated levels, e.g. 1,4,16.")] = "1,4,16",
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length in tokens.")] = 64,
-    output_tokens: Annotated[int, typer.Option("--output-tokens", help="Tokens generated per request.")] = 64,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", "-p", help="Prompt length in tokens.")] = 64,
+    output_tokens: Annotated[int, typer.Option("--output-tokens", "-o", help="Tokens generated per request.")] = 64,
     shared_prefix: Annotated[int, typer.Option("--shared-prefix", help="Leading prompt tokens all requests share.")] = 0,
     requests_per_client: Annotated[int, typer.Option("--requests-per-client", help="Requests per concurrent client.")] = 2,
     corpus: Annotated[str, typer.Option("--corpus", help="Where prompts come from: prose, code or a text file.")] = "prose",
     backend: BackendOpt = "auto",
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for the runner.")] = None,  # noqa: UP045
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU compute threads (default: the physical cores this process may use).")] = None,  # noqa: UP045
     url: Annotated[Optional[str], typer.Option("--url", help="Bench a running twinfer/OpenAI server instead.")] = None,  # noqa: UP045
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TWINFER_API_KEY", help="Bearer key for --url.")] = None,  # noqa: UP045
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -135,7 +135,7 @@ def chat(
     seed: Annotated[Optional[int], typer.Option(  # noqa: UP045
         "--seed", help="Seed for reproducible replies (a regenerated reply uses the next seed).")] = None,
     ctx: Annotated[int, typer.Option("--ctx", help="Context window in tokens (history + reply); old turns are dropped past it.")] = 4096,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")] = None,  # noqa: UP045
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU compute threads (default: the physical cores this process may use).")] = None,  # noqa: UP045
     template: Annotated[Optional[bool], typer.Option(  # noqa: UP045
         "--template/--transcript",
         help="Format the chat with the model's chat template, or as a plain User:/Assistant: transcript "
@@ -169,7 +169,7 @@ def serve(
     max_seqs: Annotated[int, typer.Option("--max-seqs", help="Requests computed at once.")] = 16,
     ctx: Annotated[int, typer.Option("--ctx", help="KV-cache tokens (also the longest prompt + completion).")] = 4096,
     threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        "--threads", help="CPU threads for the model (default: all cores but one, left to the HTTP server).")] = None,
+        "--threads", help="CPU compute threads (default: the physical cores this process may use).")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond --max-seqs; past it, 429.")] = 64,
     served_model_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
         "--served-model-name", help="The model name clients send (default: the file or folder name).")] = None,

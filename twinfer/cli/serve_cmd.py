@@ -10,7 +10,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from twinfer.runtime.errors import TwinferError
@@ -39,10 +38,9 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
 
         open_model(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, parallel=parallel)
         return
-    # Leave a core to the HTTP event loop: a compute pool that spins on every core (OpenMP, ggml) stalls
-    # at its barriers whenever the loop thread is scheduled, which cut throughput 50x in our tests.
-    threads = threads or max(1, (os.cpu_count() or 2) - 1)
-    options = replace(options, threads=threads)
+    # No core is left to the HTTP event loop: the engine hands each step's output over and waits for the
+    # loop to write it before computing the next step (AsyncEngine), so the loop never preempts a
+    # compute thread mid-step, where a spinning pool (ggml, OpenMP) would stall at its next barrier.
     name = served_model_name or model_name(model)
     aliases = tuple(a for a in (model,) if a and a != name)
     if guard_retries < 0:

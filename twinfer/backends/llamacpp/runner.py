@@ -22,6 +22,7 @@ from twinfer.backends.llamacpp._lib import MemoryOps, load_llama_cpp, set_quiet,
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
 from twinfer.backends.llamacpp.slots import SlotKVSync
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+from twinfer.runtime.cpu import default_threads
 from twinfer.runtime.errors import ModelError
 from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.runner import ExactShapes, KVLayout, KVSync, Runner
@@ -46,12 +47,6 @@ class DecodeError(RuntimeError):
 
 class KVCacheFull(DecodeError):
     """llama_decode found no free KV cells for the batch (return code 1): free or preempt sequences."""
-
-
-def default_threads() -> int:
-    """Half the CPUs this process may use (hyperthreads share a core's bandwidth), at least one."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // 2)
 
 
 def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
