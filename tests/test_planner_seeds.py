@@ -1,4 +1,4 @@
-"""The seeds' arithmetic and the strategy verdicts the issue asks for, as tests."""
+"""The seeds' arithmetic and the strategy verdicts the design asks for (docs/architecture.md), as tests."""
 
 from __future__ import annotations
 
