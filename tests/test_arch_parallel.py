@@ -2,7 +2,7 @@
 
 The tiny checkpoints of test_arch_logits.py, loaded by every rank from the saved folder, run the
 scripted two-sequence workload of test_parallel.py: logits within 1e-5 of the single-process torch
-runner and identical greedy tokens under TP=2, EP=2 and TP=2 x EP=2. MLA splits its heads (the
+runner and identical greedy tokens under TP=2, EP=2, TP=2 x EP=2 and PP=2. MLA splits its heads (the
 absorbed projections included) and replicates the latent cache.
 """
 
@@ -22,11 +22,11 @@ from twinfer.backends.cuda.parallel import ParallelConfig, RunOptions, WeightSou
 from twinfer.backends.cuda.runner import load_torch_runner  # noqa: E402
 from twinfer.runtime.loaders import load_model  # noqa: E402
 
-CONFIGS = [ParallelConfig(tp=2), ParallelConfig(ep=2), ParallelConfig(tp=2, ep=2)]
+CONFIGS = [ParallelConfig(tp=2), ParallelConfig(ep=2), ParallelConfig(tp=2, ep=2), ParallelConfig(pp=2)]
 CASES = ["glm4_moe-a", "deepseek_v3-a", "gpt_oss-a"]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["tp2", "ep2", "tp2xep2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["tp2", "ep2", "tp2xep2", "pp2"])
 @pytest.mark.parametrize("case", CASES)
 def test_parallel_matches_single_process(case: str, config: ParallelConfig) -> None:
     folder = saved(case)
