@@ -70,7 +70,7 @@ def _serve(cmd: list[str], port: int) -> dict[str, Any]:
     try:
         for _ in range(240):
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:  # ready, model loaded
                     break
             except httpx.HTTPError:
                 pass
