@@ -52,7 +52,9 @@ DEFAULTS: dict[str, Efficiency] = {
     # cycles per layer for thread synchronisation. Calibrate with `twinfer bench` on the machine.
     # bandwidth and tensor fitted by `python bench/bench_planner.py --fit bandwidth,tensor` on the
     # 2-core EPYC of docs/planner-accuracy.md ("This machine"), the rest set by hand.
-    "llamacpp/cpu": Efficiency(bandwidth=0.7, tensor=0.874, vector=0.35, overlap_loss=0.5, layer_cycles=30e3,
+    # tensor and overlap_loss refitted when the CPU's matmuls moved to its int8 dot-product peak and
+    # llama.cpp's weight repacking became the default (docs/planner-accuracy.md, "Against this machine").
+    "llamacpp/cpu": Efficiency(bandwidth=0.7, tensor=0.72, vector=0.35, overlap_loss=0.25, layer_cycles=30e3,
                                moe_layer_factor=1.5, step_s=0.4e-3),
     "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, overlap_loss=0.5, layer_cycles=400e3,
                             moe_layer_factor=2.0, step_s=2e-3),
