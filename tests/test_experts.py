@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twinfer.runtime.errors import PlanError
+from twinfer.runtime.errors import ModelError, PlanError
 from twinfer.runtime.experts import ExpertCache, ExpertReader
 from twinfer.runtime.loaders import load_model
 from twinfer.runtime.synthetic import SyntheticMoE, write_synthetic_moe
@@ -160,3 +160,20 @@ def test_2gb_moe_at_half_budget(tmp_path: Path, backend: str) -> None:
     shape = SyntheticMoE(hidden=1024, intermediate=512, layers=12, experts=28, top_k=4)
     assert shape.expert_bytes >= 2 << 30 or shape.expert_bytes >= 2e9
     _budget_run(write_synthetic_moe(tmp_path / "moe2g", shape), backend, steps=3)
+
+
+def test_streaming_refuses_routing_it_does_not_run() -> None:
+    """Sigmoid routers (DeepSeek-V3, GLM-4.5) and gpt-oss's biased, clamped experts are refused by name
+    when a budget would stream them, instead of failing inside a step."""
+    from twinfer.runtime.experts import StreamingOps, streaming_unsupported
+    from twinfer.runtime.spec import ModelSpec, MoESpec
+
+    def spec(**moe: object) -> ModelSpec:
+        return ModelSpec("x", 64, 16, 2, 2, 2, 8, 32, moe=MoESpec(4, 2, 8, **moe))  # type: ignore[arg-type]
+
+    assert streaming_unsupported(spec()) == ""
+    assert streaming_unsupported(spec(scoring="sigmoid", score_bias=True)) == "sigmoid routing"
+    assert streaming_unsupported(spec(router_bias=True, expert_bias=True, swiglu_limit=7.0)) == \
+        "router and expert biases, a clamped SwiGLU"
+    with pytest.raises(ModelError, match="sigmoid routing; raise --memory-budget"):
+        StreamingOps(None, None, {}, spec(scoring="sigmoid"))  # type: ignore[arg-type]

@@ -375,6 +375,20 @@ def plan_expert_budget(weights: WeightSet, budget: int, dtype_bytes: int, kv_tok
     return ExpertBudget(budget, resident, per_expert * n_experts, kv, reserve)
 
 
+
+def streaming_unsupported(spec: ModelSpec) -> str:
+    """Why the streaming dispatch cannot run `spec`'s experts ("" when it can): it routes by softmax over
+    the router logits and runs bias-free SiLU/GELU experts, as Mixtral and Qwen3-MoE have them."""
+    moe = spec.moe
+    if moe is None:
+        return ""
+    reasons = [what for what, used in (
+        (f"{moe.scoring} routing", moe.scoring != "softmax"),
+        ("router and expert biases", moe.router_bias or moe.expert_bias),
+        ("a clamped SwiGLU", moe.swiglu_limit is not None)) if used]
+    return ", ".join(reasons)
+
+
 class StreamingOps:
     """Wraps a backend's Ops: everything is delegated except `moe` on `ExpertHandle` weights.
 
@@ -382,6 +396,10 @@ class StreamingOps:
     """
 
     def __init__(self, inner: Any, cache: ExpertCache, routers: dict[int, Any], spec: ModelSpec):
+        unsupported = streaming_unsupported(spec)
+        if unsupported:
+            raise ModelError(f"batch-1 expert streaming does not run {spec.model_type} yet: {unsupported}; "
+                             "raise --memory-budget until the experts stay resident")
         self.inner = inner
         self.cache = cache
         self.routers = routers  # layer -> router weight on the backend (for prefetch prediction)
@@ -394,9 +412,9 @@ class StreamingOps:
         self.cache.stats.tokens += batch.num_tokens
         return self.inner.begin_step(batch)
 
-    def moe(self, x: Any, router: Any, gate: Any, up: Any, down: Any, moe: Any, act: str) -> Any:
+    def moe(self, x: Any, router: Any, gate: Any, up: Any, down: Any, moe: Any, act: str, extras: Any = None) -> Any:
         if not isinstance(gate, ExpertHandle):
-            return self.inner.moe(x, router, gate, up, down, moe, act)
+            return self.inner.moe(x, router, gate, up, down, moe, act, extras)
         layer = gate.layer
         weights, experts = self._route(x, router, moe)  # device [T, k], host int [T, k]
         nxt = self.routers.get(layer + 1)
