@@ -2,7 +2,7 @@
 
 Fidelity comes first in a fixed order of passes: formats rated good or better (tier <= 2) without
 pruning; then lossier formats; pruning only as the last resort. A datacenter target first looks only at
-plans whose weights and KV cache the hardware consumes natively (DESIGN: nothing may cost kernel time
+plans whose weights and KV cache the hardware consumes natively (docs/architecture.md: nothing may cost kernel time
 the hardware does not need) and never falls back to a dequantizing format: when no native plan fits,
 there is no plan, and the explanation names the smallest change (more GPUs). Inside a pass the fastest plan at the
 requested concurrency wins after a discount for expected KL (`score`): 0.01 nats costs about 10% of speed.
@@ -242,7 +242,7 @@ def search(profile: ModelProfile, cluster: Cluster, request: Request, cal: Calib
     evaluated = [evaluate(p, cluster, s, request, cal)
                  for s, p in enumerate_strategies(profile, cluster, request, target)]
     fitting = [c for c in evaluated if c.fits]
-    if target == "datacenter":  # DESIGN: only formats the hardware runs natively; none fitting = no plan
+    if target == "datacenter":  # only formats the hardware runs natively; none fitting = no plan
         native = [c for c in fitting if native_everywhere(c, cluster)]
         return _best([c for c in native if c.tier <= GOOD]) or _best(native), evaluated
     chosen = _best([c for c in fitting if c.tier <= GOOD])
