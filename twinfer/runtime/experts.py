@@ -51,7 +51,8 @@ class ExpertHandle:
 
 
 def is_expert_weight(name: str) -> bool:
-    return name.startswith("layers.") and ".experts." in name
+    """A routed expert's stacked gate, up or down matrix (their biases, [E, I] / [E, C], stay resident)."""
+    return name.startswith("layers.") and ".experts." in name and name.rsplit(".", 1)[1] in PARTS
 
 
 def expert_params(spec: ModelSpec) -> int:
@@ -123,7 +124,8 @@ class ExpertReader:
     """Reads one expert's (gate, up, down) float32 host arrays from a model's stored tensors.
 
     Handles per-expert tensors (HF `experts.{e}.*_proj`, old GGUF `ffn_*.{e}`), stacked [E, ...]
-    tensors (GGUF `ffn_*_exps`, HF fused `down_proj`) and HF's fused [E, 2I, C] `gate_up_proj`.
+    tensors (GGUF `ffn_*_exps`, HF fused `down_proj`), HF's fused [E, 2I, C] `gate_up_proj`, and
+    any transform that keeps the expert axis first (gpt-oss's [E, C, 2I] interleaved columns, MXFP4).
     Safe to call from a reader thread.
     """
 
@@ -155,12 +157,28 @@ class ExpertReader:
         elif transform in (None, "gate_half", "up_half") and len(sources) == 1:
             src = _expert_slice(sources[0], e, self.num_experts)
         else:
-            raise ModelError(f"expert streaming cannot read {name!r} (stored with transform {transform!r})")
+            return self._transformed(name, e)
         if transform in ("gate_half", "up_half"):  # [2I, C]: gate rows then up rows; read only this half
             src = _expert_slice(src, int(transform == "up_half"), 2, keep_axis=True)
         values = _read_owned(src)
         _drop_pages(src)
         return values
+
+    def _transformed(self, name: str, e: int) -> np.ndarray:
+        """Expert `e` of a weight whose transform keeps the expert axis first (gpt-oss's interleaved
+        gate/up columns, transposed or MXFP4 experts): the transform runs on that expert's slice of
+        every source, [1, ...] each."""
+        sources, impl = self.weights.sources(name), self.weights.transform_impl(name)
+        if impl is None or impl.many or any(s.shape[0] != self.num_experts for s in sources):
+            raise ModelError(f"expert streaming cannot read {name!r} (stored with transform "
+                             f"{self.weights.transform(name)!r})")
+        slices = [_expert_slice(s, e, self.num_experts, keep_axis=True) for s in sources]
+        values = impl.apply([_read_owned(s) for s in slices], self.weights.spec)[0]
+        out = _owned(values.shape)
+        out[...] = values
+        for s in slices:
+            _drop_pages(s)
+        return out
 
 
 def _owned(shape: tuple[int, ...]) -> np.ndarray:
@@ -376,30 +394,15 @@ def plan_expert_budget(weights: WeightSet, budget: int, dtype_bytes: int, kv_tok
 
 
 
-def streaming_unsupported(spec: ModelSpec) -> str:
-    """Why the streaming dispatch cannot run `spec`'s experts ("" when it can): it routes by softmax over
-    the router logits and runs bias-free SiLU/GELU experts, as Mixtral and Qwen3-MoE have them."""
-    moe = spec.moe
-    if moe is None:
-        return ""
-    reasons = [what for what, used in (
-        (f"{moe.scoring} routing", moe.scoring != "softmax"),
-        ("router and expert biases", moe.router_bias or moe.expert_bias),
-        ("a clamped SwiGLU", moe.swiglu_limit is not None)) if used]
-    return ", ".join(reasons)
-
-
 class StreamingOps:
     """Wraps a backend's Ops: everything is delegated except `moe` on `ExpertHandle` weights.
 
-    Backends subclass it with the array math (`_route`, `_predict`, `_expert_out`, `_sync`).
+    Routing is the resident path's (softmax or sigmoid with group-limited top-k, router and score
+    biases, routed scaling); each expert runs with its biases and, where the spec says so, gpt-oss's
+    clamped SwiGLU. Backends subclass it with the array math (`_route`, `_predict`, `_expert_out`).
     """
 
     def __init__(self, inner: Any, cache: ExpertCache, routers: dict[int, Any], spec: ModelSpec):
-        unsupported = streaming_unsupported(spec)
-        if unsupported:
-            raise ModelError(f"batch-1 expert streaming does not run {spec.model_type} yet: {unsupported}; "
-                             "raise --memory-budget until the experts stay resident")
         self.inner = inner
         self.cache = cache
         self.routers = routers  # layer -> router weight on the backend (for prefetch prediction)
@@ -416,7 +419,7 @@ class StreamingOps:
         if not isinstance(gate, ExpertHandle):
             return self.inner.moe(x, router, gate, up, down, moe, act, extras)
         layer = gate.layer
-        weights, experts = self._route(x, router, moe)  # device [T, k], host int [T, k]
+        weights, experts = self._route(x, router, moe, extras)  # device [T, k], host int [T, k]
         nxt = self.routers.get(layer + 1)
         if nxt is not None and self.cache.prefetch_enabled:
             self.cache.prefetch(layer + 1, self._predict(x, nxt, moe.top_k))
@@ -424,12 +427,12 @@ class StreamingOps:
         for e in sorted(set(experts.flatten().tolist())):  # ascending, as the resident dispatch runs
             tok, slot = np.nonzero(experts == e)
             g, u, d = self.cache.fetch(layer, e)
-            out = self._expert_out(out, x, tok, slot, weights, g, u, d, act)
+            out = self._expert_out(out, x, tok, slot, weights, (g, u, d), e, moe, act, extras)
         self.cache.settle(layer)
         return out
 
     # -- backend math ------------------------------------------------------------------------------
-    def _route(self, x: Any, router: Any, moe: Any) -> tuple[Any, np.ndarray]:
+    def _route(self, x: Any, router: Any, moe: Any, extras: Any) -> tuple[Any, np.ndarray]:
         """Top-k routing exactly as the backend's resident `moe`: (weights on device, expert ids on host)."""
         raise NotImplementedError
 
@@ -438,6 +441,7 @@ class StreamingOps:
         raise NotImplementedError
 
     def _expert_out(self, out: Any, x: Any, tok: np.ndarray, slot: np.ndarray, weights: Any,
-                    gate: Any, up: Any, down: Any, act: str) -> Any:
-        """out (None at first) + weights[tok, slot] * expert(x[tok]) scattered to rows `tok`."""
+                    arrays: ExpertArrays, expert: int, moe: Any, act: str, extras: Any) -> Any:
+        """out (None at first) + weights[tok, slot] * expert(x[tok]) scattered to rows `tok`; `expert`
+        indexes the resident per-expert biases in `extras`."""
         raise NotImplementedError

@@ -1,7 +1,7 @@
 """Random-weight checkpoints written tensor by tensor, for tests and benchmarks of large models.
 
 `write_synthetic_moe` writes a Hugging Face qwen3_moe folder (config.json, sharded safetensors with
-one tensor per expert, an index) of any size with bounded memory: each tensor is drawn from its own
+one tensor per expert, an index), `write_synthetic_gpt_oss` a gpt_oss one (fused experts), of any size with bounded memory: each tensor is drawn from its own
 seeded generator, written, and dropped, so a 2 GB model costs one tensor of RAM to make.
 `greedy_tokens` decodes a prompt greedily straight through a runner (no tokenizer needed).
 """
@@ -70,6 +70,62 @@ class SyntheticMoE:
                 yield p + f"mlp.experts.{e}.{proj}_proj.weight", shape, shape[1] ** -0.5
 
 
+@dataclass(frozen=True)
+class SyntheticGptOss:
+    """The shape of a synthetic gpt_oss model: sinks, alternating sliding and full layers, a biased
+    router, biased experts with a clamped SwiGLU, stored as transformers holds them (fused
+    `gate_up_proj` [E, C, 2I] with gate and up interleaved, `down_proj` [E, I, C])."""
+
+    hidden: int = 1024
+    intermediate: int = 512  # per expert
+    layers: int = 12
+    experts: int = 32
+    top_k: int = 4
+    vocab: int = 512
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    sliding_window: int = 128
+    dtype: str = "F32"
+
+    @property
+    def expert_bytes(self) -> int:
+        """Stored bytes of every routed expert in the model (biases excluded)."""
+        item = 4 if self.dtype == "F32" else 2
+        return self.layers * self.experts * 3 * self.intermediate * self.hidden * item
+
+    def config(self) -> dict[str, object]:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.layers)]
+        return {
+            "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": self.vocab,
+            "hidden_size": self.hidden, "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+            "num_local_experts": self.experts, "num_experts_per_tok": self.top_k, "sliding_window": self.sliding_window,
+            "layer_types": types, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "attention_bias": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}, "swiglu_limit": 7.0,
+            "tie_word_embeddings": False, "torch_dtype": "float32" if self.dtype == "F32" else "bfloat16",
+        }  # fmt: skip
+
+    def layer_tensors(self, i: int) -> Iterator[tuple[str, tuple[int, ...], float]]:
+        """(name, shape, std) of layer i's tensors; std 0 marks a norm (ones plus noise)."""
+        C, Ie, D, E, H, Hkv = self.hidden, self.intermediate, self.head_dim, self.experts, self.heads, self.kv_heads
+        p, a, x = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.experts."
+        yield p + "input_layernorm.weight", (C,), 0.0
+        yield p + "post_attention_layernorm.weight", (C,), 0.0
+        for proj, rows in (("q", H * D), ("k", Hkv * D), ("v", Hkv * D)):
+            yield a + f"{proj}_proj.weight", (rows, C), C**-0.5
+            yield a + f"{proj}_proj.bias", (rows,), 0.1
+        yield a + "o_proj.weight", (C, H * D), (H * D) ** -0.5
+        yield a + "o_proj.bias", (C,), 0.1
+        yield a + "sinks", (H,), 0.5
+        yield p + "mlp.router.weight", (E, C), 4 * C**-0.5  # sharp routing: experts differ
+        yield p + "mlp.router.bias", (E,), 0.5
+        yield x + "gate_up_proj", (E, C, 2 * Ie), C**-0.5
+        yield x + "gate_up_proj_bias", (E, 2 * Ie), 0.1
+        yield x + "down_proj", (E, Ie, C), Ie**-0.5
+        yield x + "down_proj_bias", (E, C), 0.1
+
+
 def _values(shape: tuple[int, ...], std: float, seed: int, index: int, dtype: str) -> np.ndarray:
     rng = np.random.default_rng([seed, index])
     if std == 0.0:
@@ -99,8 +155,9 @@ def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...], float, in
             f.write(_values(shape, std, seed, index, dtype).tobytes())
 
 
-def write_synthetic_moe(folder: Path, shape: SyntheticMoE = SyntheticMoE(), seed: int = 0) -> Path:
-    """Write a random qwen3_moe checkpoint into `folder` (one shard per layer); returns the folder."""
+def write_synthetic_moe(folder: Path, shape: SyntheticMoE | SyntheticGptOss = SyntheticMoE(), seed: int = 0) -> Path:
+    """Write a random qwen3_moe (or, given a `SyntheticGptOss`, gpt_oss) checkpoint into `folder`
+    (one shard per layer); returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(shape.config(), indent=1))
     C, V = shape.hidden, shape.vocab
@@ -122,6 +179,11 @@ def write_synthetic_moe(folder: Path, shape: SyntheticMoE = SyntheticMoE(), seed
     index_json = {"metadata": {}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_json))
     return folder
+
+
+def write_synthetic_gpt_oss(folder: Path, shape: SyntheticGptOss = SyntheticGptOss(), seed: int = 0) -> Path:
+    """Write a random gpt_oss checkpoint into `folder` (one shard per layer); returns the folder."""
+    return write_synthetic_moe(folder, shape, seed)
 
 
 def greedy_tokens(runner: Runner, prompt: list[int], steps: int, seq_id: int = 1) -> list[int]:

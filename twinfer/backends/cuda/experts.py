@@ -6,6 +6,7 @@ streamed run computes the same numbers as a fully resident one.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -14,13 +15,14 @@ import torch.nn.functional as F
 
 from twinfer.backends.cuda.ops import TorchOps
 from twinfer.runtime.experts import (
+    ExpertArrays,
     ExpertCache,
     ExpertReader,
     StreamingOps,
     expert_params,
     streaming_weights,
 )
-from twinfer.runtime.ops import Ops
+from twinfer.runtime.ops import ExpertExtras, Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
 from twinfer.runtime.spec import MoESpec
 
@@ -31,8 +33,9 @@ if TYPE_CHECKING:
 class TorchStreamingOps(StreamingOps):
     inner: TorchOps
 
-    def _route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, np.ndarray]:
-        weights, experts = self.inner.route(x, router, moe)  # the resident path's routing, exactly
+    def _route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec, extras: ExpertExtras | None
+               ) -> tuple[torch.Tensor, np.ndarray]:
+        weights, experts = self.inner.route(x, router, moe, extras)  # the resident path's routing, exactly
         return weights, experts.cpu().numpy()
 
     def _predict(self, x: torch.Tensor, router: torch.Tensor, k: int) -> list[int]:
@@ -40,16 +43,26 @@ class TorchStreamingOps(StreamingOps):
         return [int(e) for e in scores.topk(k).indices.tolist()]
 
     def _expert_out(self, out: torch.Tensor | None, x: torch.Tensor, tok: np.ndarray, slot: np.ndarray,
-                    weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                    act: str) -> torch.Tensor:
+                    weights: torch.Tensor, arrays: ExpertArrays, expert: int, moe: MoESpec, act: str,
+                    extras: ExpertExtras | None) -> torch.Tensor:
         if out is None:
             out = torch.zeros_like(x)
         rows = torch.as_tensor(tok, device=x.device)
         cols = torch.as_tensor(slot, device=x.device)
-        h = x[rows]
-        y = F.linear(self.inner.act(F.linear(h, gate), act) * F.linear(h, up), down)
+        gate, up, down = (a[None] for a in arrays)  # [1, ...]: the resident loop's expert 0
+        y = self.inner._expert(x[rows], 0, gate, up, down, act, 0, moe, _one_expert(extras, expert))  # noqa: SLF001
         out.index_add_(0, rows, y * weights[rows, cols][:, None])
         return out
+
+
+def _one_expert(extras: ExpertExtras | None, e: int) -> ExpertExtras | None:
+    """`extras` with expert `e`'s biases alone, as the resident loop's expert 0."""
+    if extras is None or extras.gate_bias is None:
+        return extras
+    def pick(b: torch.Tensor | None) -> torch.Tensor | None:
+        return None if b is None else b[e : e + 1]
+    return replace(extras, gate_bias=pick(extras.gate_bias), up_bias=pick(extras.up_bias),
+                   down_bias=pick(extras.down_bias))
 
 
 def load_streaming_torch_runner(

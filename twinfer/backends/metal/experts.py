@@ -15,13 +15,14 @@ import numpy as np
 from twinfer.backends.metal.ops import MlxOps, mlx_dtype
 from twinfer.backends.metal.runner import _wire_working_set
 from twinfer.runtime.experts import (
+    ExpertArrays,
     ExpertCache,
     ExpertReader,
     StreamingOps,
     expert_params,
     streaming_weights,
 )
-from twinfer.runtime.ops import Ops
+from twinfer.runtime.ops import ExpertExtras, Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
 from twinfer.runtime.spec import MoESpec
 
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 class MlxStreamingOps(StreamingOps):
     inner: MlxOps
 
-    def _route(self, x: mx.array, router: mx.array, moe: MoESpec) -> tuple[mx.array, np.ndarray]:
-        weights, experts = self.inner._route(x, router, moe)  # noqa: SLF001 - the resident path's routing
+    def _route(self, x: mx.array, router: mx.array, moe: MoESpec, extras: ExpertExtras | None
+               ) -> tuple[mx.array, np.ndarray]:
+        weights, experts = self.inner._route(x, router, moe, extras)  # noqa: SLF001 - the resident path's routing
         mx.eval(weights, experts)  # streaming's one wait per MoE layer: the host needs the expert ids
         return weights, np.array(experts)
 
@@ -43,14 +45,27 @@ class MlxStreamingOps(StreamingOps):
         return [int(e) for e in order[:k]]
 
     def _expert_out(self, out: mx.array | None, x: mx.array, tok: np.ndarray, slot: np.ndarray,
-                    weights: mx.array, gate: mx.array, up: mx.array, down: mx.array, act: str) -> mx.array:
+                    weights: mx.array, arrays: ExpertArrays, expert: int, moe: MoESpec, act: str,
+                    extras: ExpertExtras | None) -> mx.array:
         if out is None:
             out = mx.zeros_like(x)
+        gate, up, down = arrays
+        xb = extras or ExpertExtras()
+
+        def bias(y: mx.array, b: mx.array | None) -> mx.array:
+            return y if b is None else y + b[expert]
+
         rows = mx.array(tok.astype(np.int32))
         w = weights[rows, mx.array(slot.astype(np.int32))]  # [n]
         h = mx.take(x, rows, axis=0)
-        y = self.inner.act(h @ gate.T, act) * (h @ up.T)
-        out = out.at[rows].add((y @ down.T) * w[:, None])
+        g, u = bias(h @ gate.T, xb.gate_bias), bias(h @ up.T, xb.up_bias)
+        if moe.swiglu_limit is not None:  # gpt-oss, as MlxOps.moe runs it
+            lim = moe.swiglu_limit
+            g, u = mx.minimum(g, lim), mx.clip(u, -lim, lim)
+            a = g * mx.sigmoid(g * moe.swiglu_alpha) * (u + 1)
+        else:
+            a = self.inner.act(g, act) * u
+        out = out.at[rows].add(bias(a @ down.T, xb.down_bias) * w[:, None])
         mx.eval(out)
         return out
 

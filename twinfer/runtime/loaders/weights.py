@@ -238,6 +238,10 @@ class WeightSet(Mapping[str, np.ndarray]):
     def transform(self, name: str) -> str | None:
         return self._entry(name).transform
 
+    def transform_impl(self, name: str) -> Transform | None:
+        """The transform `name` is built with (for readers that apply it to a slice of the sources)."""
+        return self._entry(name).impl
+
     def _entry(self, name: str) -> WeightEntry:
         try:
             return self._entries[name]
