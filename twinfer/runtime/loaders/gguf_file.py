@@ -82,13 +82,16 @@ def load_gguf(path: Path) -> tuple[ModelSpec, WeightSet, dict[str, Any]]:
     """Parse `path`, derive its ModelSpec and map its tensors; returns (spec, weights, metadata)."""
     contents = read_gguf(path)
     spec = spec_from_gguf(contents)
-    table = _architecture(contents).gguf_names
+    arch = _architecture(contents)
+    table = arch.gguf_names
     assert table is not None  # _architecture refuses architectures without a GGUF table
+    keys = GGUFKeys(contents.metadata, contents.metadata["general.architecture"], path)
+    skip = arch.gguf_skip(keys, spec) if arch.gguf_skip is not None else ()
     stored = {
         name: GGUFTensor(name, path, info.shape, ggml_type_name(info.ggml_type), info.nbytes, info, contents)
         for name, info in contents.tensors.items()
     }
-    weights = map_weights(spec, table, stored, str(path), model_for(spec).weight_shapes())
+    weights = map_weights(spec, table, stored, str(path), model_for(spec).weight_shapes(), skip)
     return spec, weights, dict(contents.metadata)
 
 
@@ -111,8 +114,6 @@ def spec_from_gguf(contents: GGUFContents) -> ModelSpec:
     tensors = contents.tensors
     hidden, n_heads = k.int("embedding_length"), k.int("attention.head_count")
     head_dim = k.int("attention.key_length", hidden // n_heads)
-    if k.int("attention.value_length", head_dim) != head_dim:
-        raise UnsupportedArchitecture(f"{path}: key and value head sizes differ, which twinfer does not run")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise WeightError(f"missing tensor 'token_embd.weight' in {path}; the file is not a complete model")
@@ -138,6 +139,12 @@ def spec_from_gguf(contents: GGUFContents) -> ModelSpec:
     )
     if arch.gguf_spec is not None:
         fields = arch.gguf_spec(k, fields)
+    # latent attention (MLA) stores its own key and value sizes; the architecture's hook reads them
+    if fields.get("mla") is None and k.int("attention.value_length", head_dim) != fields["head_dim"]:
+        raise UnsupportedArchitecture(f"{path}: key and value head sizes differ, which twinfer does not run")
+    shared = k.int("expert_shared_count", 0)
+    if shared and (fields["moe"] is None or fields["moe"].num_shared_experts != shared):
+        raise UnsupportedArchitecture(f"{path}: shared experts are not supported for GGUF {k.arch!r}")
     return ModelSpec(**fields)
 
 
@@ -145,8 +152,6 @@ def _moe(k: GGUFKeys) -> MoESpec | None:
     expert_count = k.int("expert_count", 0)
     if not expert_count:
         return None
-    if k.int("expert_shared_count", 0):
-        raise UnsupportedArchitecture(f"{k.path}: shared experts are not supported for GGUF {k.arch!r}")
     return MoESpec(
         num_experts=expert_count,
         top_k=k.int("expert_used_count"),
@@ -163,6 +168,9 @@ def _rope_scaling(k: GGUFKeys) -> tuple[tuple[str, Any], ...] | None:
     original = k.int("rope.scaling.original_context_length", 0)
     if original:
         items["original_max_position_embeddings"] = original
+    for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        if f"{k.arch}.{key}" in k.meta:
+            items[name] = k.float(key)
     return tuple(sorted(items.items()))
 
 

@@ -41,6 +41,9 @@ GGUF_ARCHS: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "glm4moe": "glm4_moe",
+    "deepseek2": "deepseek_v3",
+    "gpt-oss": "gpt_oss",
 }
 
 

@@ -17,6 +17,7 @@ from twinfer.runtime.loaders.names import NameTable
 if TYPE_CHECKING:
     from twinfer.runtime.loaders.gguf_file import GGUFKeys
     from twinfer.runtime.models.base import Model
+    from twinfer.runtime.spec import ModelSpec
 
 Fields = dict[str, Any]
 """ModelSpec keyword arguments being built by a loader."""
@@ -40,5 +41,6 @@ class Architecture:
     hf_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     hf_spec: Callable[[dict[str, Any], Fields], Fields] | None = None
     gguf_spec: Callable[[GGUFKeys, Fields], Fields] | None = None
+    gguf_skip: Callable[[GGUFKeys, ModelSpec], tuple[str, ...]] | None = None  # tensor-name prefixes left unread
     hf_skip: Callable[[dict[str, Any]], tuple[str, ...]] | None = None  # tensor-name prefixes left unread
     hf_quant_methods: tuple[str, ...] = ()  # published `quantization_config.quant_method`s its table reads

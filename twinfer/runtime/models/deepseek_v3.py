@@ -12,11 +12,17 @@ to the half-split layout (the same permutation on queries and keys leaves every 
 
 Feed-forward: `first_k_dense_replace` dense layers, then sigmoid-routed experts with shared experts
 (shared_experts.py). The multi-token-prediction layer after the last one is skipped by name.
+
+GGUF (`deepseek2`, llama.cpp's converter): MLA is written as multi-query attention over the latent
+(`head_count_kv` 1, `key_length` R + P, `value_length` R), with the real sizes in `key_length_mla`
+/ `value_length_mla`; `kv_b_proj` is already split into `attn_k_b` [H, R, nope] and `attn_v_b`
+[H, V, R] (older files keep `attn_kv_b`, split here as from the checkpoint). Rope rows stay
+interleaved, as in the checkpoint.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,12 +31,21 @@ from twinfer.runtime.loaders.names import NameTable, rule
 from twinfer.runtime.loaders.weights import Shape, Transform
 from twinfer.runtime.models.arch import Architecture, Fields
 from twinfer.runtime.models.base import Shapes, Weights
-from twinfer.runtime.models.common import HF_COMMON, L
+from twinfer.runtime.models.common import GGUF_COMMON, HF_COMMON, L
 from twinfer.runtime.models.glm4_moe import hf_skip
-from twinfer.runtime.models.shared_experts import HF_MOE_RULES, SharedExpertsDecoder, moe_from_config
+from twinfer.runtime.models.shared_experts import (
+    GGUF_MOE_RULES,
+    HF_MOE_RULES,
+    SharedExpertsDecoder,
+    moe_from_config,
+    moe_from_gguf,
+)
 from twinfer.runtime.ops import Array, Ops, StepContext
 from twinfer.runtime.rope import yarn_mscale
 from twinfer.runtime.spec import MLASpec, ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders.gguf_file import GGUFKeys
 
 INTERLEAVED = "rope_interleave"  # a spec.extra key: the checkpoint's rope pairs are interleaved
 
@@ -146,6 +161,25 @@ HF_NAMES = NameTable(
                 ("kv_b_k", _kv_b("k")), ("kv_b_v", _kv_b("v"))),
 )
 
+_B = "blk.{i}."
+GGUF_NAMES = NameTable(
+    "deepseek2 GGUF",
+    tuple(r for r in GGUF_COMMON if ".attn_v." not in r.source and ".attn_output." not in r.source) + GGUF_MOE_RULES + (
+        rule(_B + "attn_q.weight", "layers.{i}.q", "rope_rows_q"),
+        rule(_B + "attn_q_a.weight", "layers.{i}.q_a"),
+        rule(_B + "attn_q_a_norm.weight", "layers.{i}.q_a_norm"),
+        rule(_B + "attn_q_b.weight", "layers.{i}.q_b", "rope_rows_q"),
+        rule(_B + "attn_kv_a_mqa.weight", "layers.{i}.kv_a", "rope_rows_kv"),
+        rule(_B + "attn_kv_a_norm.weight", "layers.{i}.kv_a_norm"),
+        rule(_B + "attn_k_b.weight", "layers.{i}.kv_b_k"),
+        rule(_B + "attn_v_b.weight", "layers.{i}.kv_b_v"),
+        rule(_B + "attn_kv_b.weight", "layers.{i}.kv_b_k", "kv_b_k"),
+        rule(_B + "attn_kv_b.weight", "layers.{i}.kv_b_v", "kv_b_v"),
+        rule(_B + "attn_output.weight", "layers.{i}.o"),
+    ),
+    transforms=HF_NAMES.transforms,
+)
+
 
 # -- config --------------------------------------------------------------------------------------
 UNSUPPORTED = {  # config keys of features twinfer does not run yet, with what they are
@@ -177,6 +211,25 @@ def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
     )
 
 
+def gguf_spec(k: GGUFKeys, fields: Fields) -> Fields:
+    q_lora = k.int("attention.q_lora_rank", 0)
+    P = k.int("rope.dimension_count")
+    qk = k.int("attention.key_length_mla")
+    mla = MLASpec(kv_lora_rank=k.int("attention.kv_lora_rank"), q_lora_rank=q_lora or None, qk_rope_head_dim=P,
+                  qk_nope_head_dim=qk - P, v_head_dim=k.int("attention.value_length_mla"))
+    scale = qk**-0.5
+    scaling = dict(fields["rope_scaling"] or ())
+    log_mul = k.float("rope.scaling.yarn_log_multiplier", 0.0)
+    if scaling and log_mul:  # the converter writes 0.1 * mscale_all_dim; DeepSeek's mscale equals it
+        mscale = log_mul / 0.1
+        scaling |= dict(mscale=mscale, mscale_all_dim=mscale)
+        scale *= yarn_mscale(float(scaling["factor"]), mscale) ** 2
+    return fields | dict(
+        head_dim=qk, num_kv_heads=fields["num_heads"], mla=mla, moe=moe_from_gguf(k), softmax_scale=scale,
+        rope_scaling=tuple(sorted(scaling.items())) or None, extra=((INTERLEAVED, True),),
+    )
+
+
 ARCH = Architecture(
     name="deepseek_v3",
     model=Model,
@@ -190,4 +243,6 @@ ARCH = Architecture(
     },  # transformers' DeepseekV3Config defaults
     hf_spec=hf_spec,
     hf_skip=hf_skip,
+    gguf_names=GGUF_NAMES,
+    gguf_spec=gguf_spec,
 )

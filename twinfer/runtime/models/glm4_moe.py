@@ -5,15 +5,30 @@ routed scaling, one shared expert) after `first_k_dense_replace` dense layers.
 Rope turns the first `partial_rotary_factor` of each head (half-split layout); Q, K and V carry
 biases when `attention_bias`. Checkpoints append `num_nextn_predict_layers` multi-token-prediction
 layers after the last decoder layer; they are skipped by name.
+
+GGUF (`glm4moe`, llama.cpp's converter): the pre-FFN norm is `post_attention_norm`, rope turns
+`rope.dimension_count` dims of each head, and the `nextn_predict_layers` MTP blocks after the
+last layer are skipped like the checkpoint's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from twinfer.runtime.loaders.names import NameTable, rule
 from twinfer.runtime.models.arch import Architecture, Fields
-from twinfer.runtime.models.common import HF_DECODER
-from twinfer.runtime.models.shared_experts import HF_MOE_RULES, SharedExpertsDecoder, moe_from_config
+from twinfer.runtime.models.common import GGUF_COMMON, GGUF_QK, GGUF_QK_NORM, HF_DECODER
+from twinfer.runtime.models.shared_experts import (
+    GGUF_MOE_RULES,
+    HF_MOE_RULES,
+    SharedExpertsDecoder,
+    moe_from_config,
+    moe_from_gguf,
+)
+from twinfer.runtime.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders.gguf_file import GGUFKeys
 
 
 class Model(SharedExpertsDecoder):
@@ -30,10 +45,33 @@ def hf_skip(c: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"model.layers.{n + j}." for j in range(int(c.get("num_nextn_predict_layers") or 0)))
 
 
+GGUF_NAMES = NameTable(
+    "glm4moe GGUF",
+    GGUF_COMMON + GGUF_QK + GGUF_QK_NORM + GGUF_MOE_RULES
+    + (rule("blk.{i}.post_attention_norm.weight", "layers.{i}.mlp_norm"),),
+)
+
+
+def gguf_spec(k: GGUFKeys, fields: Fields) -> Fields:
+    rotary = k.int("rope.dimension_count", fields["head_dim"])
+    return fields | dict(
+        num_layers=fields["num_layers"] - k.int("nextn_predict_layers", 0),
+        partial_rotary_factor=rotary / fields["head_dim"],
+        moe=moe_from_gguf(k),
+    )
+
+
+def gguf_skip(k: GGUFKeys, spec: ModelSpec) -> tuple[str, ...]:
+    """The multi-token-prediction blocks (`blk.{N + j}.*`) the converter appends, which twinfer does not run."""
+    n = spec.num_layers
+    return tuple(f"blk.{n + j}." for j in range(k.int("nextn_predict_layers", 0)))
+
+
 ARCH = Architecture(
     name="glm4_moe",
     model=Model,
     hf_names=HF_DECODER.extended("glm4_moe", HF_MOE_RULES),
+    gguf_names=GGUF_NAMES,
     hf_defaults={
         "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
         "num_attention_heads": 96, "num_key_value_heads": 8, "partial_rotary_factor": 0.5,
@@ -43,4 +81,6 @@ ARCH = Architecture(
     },  # transformers' Glm4MoeConfig defaults
     hf_spec=hf_spec,
     hf_skip=hf_skip,
+    gguf_spec=gguf_spec,
+    gguf_skip=gguf_skip,
 )

@@ -9,11 +9,16 @@ loader splits and transposes them to the canonical [E, I, C] / [E, C, I]. Publis
 (`quantization_config.quant_method: mxfp4`) store the experts as MXFP4 `*_blocks` [E, out, in/32, 16]
 and `*_scales` [E, out, in/32] (gate and up interleaved along the rows); they are dequantized here
 on load (E2M1 values, even element in the low nibble, scale 2**(code - 127)).
+
+GGUF (`gpt-oss`, llama.cpp's converter): experts already split into gate/up and transposed to
+[E, out, in] (MXFP4 or float blocks, dequantized by the reader), the pre-FFN norm is
+`post_attention_norm`, and sliding layers follow llama.cpp's default pattern (even layers slide)
+unless the file lists one. llama.cpp fixes the SwiGLU clamp at 7.0 and alpha at 1.702.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,9 +27,12 @@ from twinfer.runtime.loaders.weights import Shape, Transform
 from twinfer.runtime.models.arch import Architecture, Fields
 from twinfer.runtime.models.base import Model as _Decoder
 from twinfer.runtime.models.base import Shapes, Weights
-from twinfer.runtime.models.common import HF_COMMON, L
+from twinfer.runtime.models.common import GGUF_COMMON, GGUF_QK, HF_COMMON, L
 from twinfer.runtime.ops import Array, ExpertExtras, Ops
-from twinfer.runtime.spec import ModelSpec, MoESpec
+from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders.gguf_file import GGUFKeys
 
 
 class Model(_Decoder):
@@ -132,6 +140,40 @@ def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
     return fields | dict(moe=moe, attention_sinks=True)
 
 
+_B = "blk.{i}."
+GGUF_NAMES = NameTable(
+    "gpt-oss GGUF",
+    GGUF_COMMON + GGUF_QK + (
+        rule(_B + "attn_output.bias", "layers.{i}.o_bias"),
+        rule(_B + "attn_sinks.weight", "layers.{i}.sinks"),
+        rule(_B + "post_attention_norm.weight", "layers.{i}.mlp_norm"),
+        rule(_B + "ffn_gate_inp.weight", "layers.{i}.router"),
+        rule(_B + "ffn_gate_inp.bias", "layers.{i}.router_bias"),
+        *(rule(_B + f"ffn_{p}_exps.weight", f"layers.{{i}}.experts.{p}") for p in ("gate", "up", "down")),
+        *(rule(_B + f"ffn_{p}_exps.bias", f"layers.{{i}}.experts.{p}_bias") for p in ("gate", "up", "down")),
+    ),
+)
+SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
+
+
+def gguf_spec(k: GGUFKeys, fields: Fields) -> Fields:
+    assert fields["moe"] is not None, "gpt-oss GGUFs have experts"
+    moe = MoESpec(
+        num_experts=fields["moe"].num_experts, top_k=fields["moe"].top_k,
+        expert_intermediate_size=fields["moe"].expert_intermediate_size, norm_topk_prob=True,
+        router_softmax_before_topk=False, router_bias=True, expert_bias=True, swiglu_limit=SWIGLU_LIMIT,
+        swiglu_alpha=SWIGLU_ALPHA,
+    )
+    n = fields["num_layers"]
+    pattern = k.meta.get(f"{k.arch}.attention.sliding_window_pattern")  # per layer, true = sliding
+    if isinstance(pattern, list) and len(pattern) == n:
+        types = tuple(SLIDING if p else FULL for p in pattern)
+    else:
+        types = tuple(SLIDING if i % 2 == 0 else FULL for i in range(n))
+    return fields | dict(moe=moe, attention_sinks=True, sliding_window=k.int("attention.sliding_window"),
+                         layer_types=types)
+
+
 ARCH = Architecture(
     name="gpt_oss",
     model=Model,
@@ -144,4 +186,6 @@ ARCH = Architecture(
     },  # transformers' GptOssConfig defaults
     hf_spec=hf_spec,
     hf_quant_methods=("mxfp4",),
+    gguf_names=GGUF_NAMES,
+    gguf_spec=gguf_spec,
 )

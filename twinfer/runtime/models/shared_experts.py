@@ -8,14 +8,18 @@ through: one dense MLP of `shared_intermediate_size` (`shared.gate/up/down`). Th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from twinfer.runtime.errors import UnsupportedArchitecture
 from twinfer.runtime.loaders.names import rule
 from twinfer.runtime.models.base import Model as _Decoder
 from twinfer.runtime.models.base import Shapes, Weights
 from twinfer.runtime.models.common import L
 from twinfer.runtime.ops import Array, ExpertExtras, Ops
 from twinfer.runtime.spec import SIGMOID, MoESpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders.gguf_file import GGUFKeys
 
 # transformers' names for the MoE layers (fused experts as transformers 5 holds them, or one per expert)
 HF_MOE_RULES = (
@@ -28,6 +32,45 @@ HF_MOE_RULES = (
       for p in ("gate", "up", "down")),
     *(rule(L + f"mlp.shared_experts.{p}_proj.weight", f"layers.{{i}}.shared.{p}") for p in ("gate", "up", "down")),
 )
+
+# llama.cpp's names for the same layers (deepseek2, glm4moe)
+GGUF_MOE_RULES = (
+    rule("blk.{i}.ffn_gate_inp.weight", "layers.{i}.router"),
+    rule("blk.{i}.exp_probs_b.bias", "layers.{i}.router_score_bias"),
+    *(rule(f"blk.{{i}}.ffn_{p}_exps.weight", f"layers.{{i}}.experts.{p}") for p in ("gate", "up", "down")),
+    *(rule(f"blk.{{i}}.ffn_{p}_shexp.weight", f"layers.{{i}}.shared.{p}") for p in ("gate", "up", "down")),
+)
+GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def moe_from_gguf(k: GGUFKeys) -> MoESpec | None:
+    """The MoESpec of a deepseek2 / glm4moe GGUF (`{arch}.expert_*`, `leading_dense_block_count`), or None
+    without experts; refuses routers other than sigmoid (DeepSeek-V2's softmax files carry no gating key)."""
+    experts = k.int("expert_count", 0)
+    if not experts:
+        return None
+    gating = k.int("expert_gating_func", 0)
+    if gating != GATING_SIGMOID:
+        raise UnsupportedArchitecture(
+            f"{k.path}: {k.arch}.expert_gating_func is {gating or 'absent (softmax)'}; twinfer runs the sigmoid "
+            "router of DeepSeek-V3 / GLM-4.5 (2); re-convert with a llama.cpp that writes it"
+        )
+    inter, shared = k.int("expert_feed_forward_length"), k.int("expert_shared_count", 0)
+    return MoESpec(
+        num_experts=experts,
+        top_k=k.int("expert_used_count"),
+        expert_intermediate_size=inter,
+        norm_topk_prob=bool(k.meta.get(f"{k.arch}.expert_weights_norm", False)),  # llama.cpp's default
+        num_shared_experts=shared,
+        shared_intermediate_size=inter * shared,
+        first_dense_layers=k.int("leading_dense_block_count", 0),
+        router_softmax_before_topk=False,
+        scoring=SIGMOID,
+        n_group=k.int("expert_group_count", 0) or 1,
+        topk_group=k.int("expert_group_used_count", 0) or 1,
+        routed_scaling_factor=k.float("expert_weights_scale", 1.0),
+        score_bias=True,
+    )
 
 
 def moe_from_config(c: dict[str, Any]) -> MoESpec:

@@ -1,0 +1,146 @@
+"""deepseek_v3, gpt_oss and glm4_moe from GGUF files that llama.cpp's own converter wrote.
+
+Tiny random-weight transformers models (O(1) logits: norms, biases, sinks and router biases all
+matter) are saved with a tiny tokenizer and chat template of their family and converted to f32 GGUF
+by `convert_hf_to_gguf.py` of the installed llama-cpp-python (tests/gguf_convert.py). On each file:
+twinfer's own graph (torch) against the llama.cpp runner, teacher-forced over a prose corpus (mean KL
+<= 0.01, as for the default model), and greedy chat text through `twinfer generate` on the
+llama.cpp runner with the file's template, equal to the torch graph's.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llama_cpp")
+
+from gguf_convert import FAMILIES, convert_many, save_tiny_tokenizer  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from twinfer.app.models import open_model  # noqa: E402
+from twinfer.cli.main import app  # noqa: E402
+from twinfer.quant.fidelity import RunnerSource, corpus_windows  # noqa: E402
+from twinfer.quant.kl import KLAccumulator  # noqa: E402
+from twinfer.runtime.loaders import load_model  # noqa: E402
+from twinfer.runtime.tokenizer import load_tokenizer  # noqa: E402
+
+TOKENS, WINDOW = 192, 64
+MAX_KL, MIN_TOP1 = 0.01, 0.94
+BASE = dict(vocab_size=320, hidden_size=64, max_position_embeddings=512)
+EXPERTS = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+               num_experts_per_tok=2)
+CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    # case: (transformers prefix, tokenizer family, config, config.json keys a published checkpoint has)
+    "deepseek_v3": ("DeepseekV3", "deepseek", dict(
+        EXPERTS, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4, topk_group=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+        dict(scoring_func="sigmoid", topk_method="noaux_tc")),
+    "glm4_moe": ("Glm4Moe", "glm", dict(
+        EXPERTS, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        use_qk_norm=True, attention_bias=True, n_group=2, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+        dict(num_nextn_predict_layers=0)),
+    "gpt_oss": ("GptOss", "gpt_oss", dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                             original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0)),
+        {}),
+}  # fmt: skip
+GGUF_ARCH = {"deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
+_ROOT = tempfile.TemporaryDirectory()
+
+
+def _hf_model(case: str) -> Any:
+    prefix, _, kwargs, _ = CASES[case]
+    config = getattr(transformers, prefix + "Config")(**{**BASE, **kwargs})
+    torch.manual_seed(0)
+    model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
+    with torch.no_grad():  # O(1) logits; norms, biases, sinks and router biases all matter
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.5 if name.endswith(("sinks", "e_score_correction_bias")) else 0.1)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.5)
+            elif p.is_floating_point() and p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+@cache
+def gguf_files() -> dict[str, Path]:
+    """Every case saved as a Hugging Face folder and converted (in one converter process) to f32 GGUF."""
+    root = Path(_ROOT.name)
+    pairs = []
+    for case, (_, family, _, published) in CASES.items():
+        folder = root / case
+        _hf_model(case).save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | published, indent=1))
+        save_tiny_tokenizer(folder, family)
+        pairs.append((folder, root / f"{case}.gguf"))
+    convert_many(pairs)
+    return {case: out for case, (_, out) in zip(CASES, pairs, strict=True)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_own_graph_matches_llamacpp(case: str) -> None:
+    path = gguf_files()[case]
+    spec = load_model(path).spec
+    assert spec.model_type == case
+    windows = list(corpus_windows(str(path), "prose", TOKENS, WINDOW))
+    llama = RunnerSource(open_model(str(path), "llamacpp", max_seqs=1, ctx=256).runner)
+    ours = RunnerSource(open_model(str(path), "torch", max_seqs=1, ctx=256).runner)
+    acc = KLAccumulator()
+    for window in windows:
+        ref = llama.logits(window)[:-1]
+        assert float(ref.std()) > 0.5  # logits that can disagree
+        acc.add(ref, ours.logits(window)[:-1])
+    report = acc.report("llamacpp", "torch", "prose")
+    print(f"{case}: mean KL {report.mean_kl:.2e}, max {report.max_kl:.2e}, top-1 {report.top1_agreement:.3f}")
+    assert report.tokens >= TOKENS - len(windows)
+    assert report.mean_kl <= MAX_KL and report.top1_agreement >= MIN_TOP1, report
+
+
+def test_specs_from_gguf_metadata() -> None:
+    ds = load_model(gguf_files()["deepseek_v3"]).spec
+    assert ds.mla is not None and (ds.mla.kv_lora_rank, ds.mla.q_lora_rank, ds.mla.v_head_dim) == (16, 24, 12)
+    assert (ds.num_kv_heads, ds.head_dim, ds.rotary_dim) == (4, 24, 8)  # the file's MQA view undone
+    assert ds.moe is not None and (ds.moe.scoring, ds.moe.n_group, ds.moe.topk_group) == ("sigmoid", 4, 2)
+    assert (ds.moe.first_dense_layers, ds.moe.num_shared_experts, ds.moe.routed_scaling_factor) == (1, 1, 2.5)
+    glm = load_model(gguf_files()["glm4_moe"]).spec
+    assert glm.qk_norm and glm.attention_bias and glm.rotary_dim == 8 and glm.num_layers == 3
+    oss = load_model(gguf_files()["gpt_oss"]).spec
+    assert oss.attention_sinks and oss.window(0) == 8 and oss.window(1) is None
+    assert oss.moe is not None and (oss.moe.swiglu_limit, oss.moe.router_bias, oss.moe.expert_bias) == (7.0, True, True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_uses_the_files_chat_template(case: str) -> None:
+    path = gguf_files()[case]
+    specials, _, template = FAMILIES[CASES[case][1]]
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.chat_template == template  # read from the file, not a built-in one
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "The engine"}])
+    marker = {"deepseek_v3": "<｜User｜>", "glm4_moe": "<|user|>", "gpt_oss": "<|start|>"}[case]
+    assert tokenizer.encode(marker, add_special_tokens=False)[0] in prompt and marker in specials
+    texts = {}
+    for backend in ("llamacpp", "torch"):
+        r = CliRunner().invoke(app, ["generate", str(path), "The engine", "--backend", backend, "--chat",
+                                     "-n", "12", "-t", "0", "--threads", "1"])
+        assert r.exit_code == 0, r.output
+        texts[backend] = r.stdout
+    assert texts["llamacpp"].strip() and texts["llamacpp"] == texts["torch"], texts
