@@ -9,8 +9,9 @@ into NaN instead, the non-saturating conversion of the OCP FP8 spec.
 
 Layouts a backend consumes (``codes`` views directly as ``torch.float8_e4m3fn``):
 
-* :class:`FP8Tensor` (``"fp8"``): ``codes`` uint8 ``[out, in]``, ``scale`` float32 scalar;
-  ``w = decode(codes) * scale``. Same as a torch ``_scaled_mm`` per-tensor weight scale.
+* :class:`FP8Tensor` (``"fp8"``): ``codes`` uint8 ``[out, in]``, ``scale`` float32 scalar, or
+  ``[out, 1]`` per output channel (compressed-tensors' ``strategy: channel``);
+  ``w = decode(codes) * scale``. Same as a torch ``_scaled_mm`` per-tensor / rowwise weight scale.
 * :class:`FP8BlockTensor` (``"fp8-block"``, DeepSeek-V3 style): ``codes`` uint8 ``[out, in]``,
   ``scale_inv`` float32 ``[ceil(out/128), ceil(in/128)]``;
   ``w[i, j] = decode(codes[i, j]) * scale_inv[i // 128, j // 128]`` (the checkpoint's
@@ -72,10 +73,10 @@ def encode_e4m3(x: np.ndarray, saturate: bool = True) -> np.ndarray:
 
 @dataclass(frozen=True)
 class FP8Tensor:
-    """E4M3 weight with one float32 scale for the whole tensor (see the module docstring)."""
+    """E4M3 weight with one float32 scale for the tensor or per output channel (see the module docstring)."""
 
     codes: np.ndarray  # uint8 [out, in]
-    scale: np.float32
+    scale: np.float32 | np.ndarray  # scalar, or float32 [out, 1]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,10 +84,10 @@ class FP8Tensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.codes.nbytes) + 4
+        return int(self.codes.nbytes) + int(np.asarray(self.scale, dtype=np.float32).nbytes)
 
     def unpack(self) -> np.ndarray:
-        return decode_e4m3(self.codes) * np.float32(self.scale)
+        return decode_e4m3(self.codes) * np.asarray(self.scale, dtype=np.float32)
 
 
 @dataclass(frozen=True)

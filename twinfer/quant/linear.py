@@ -22,6 +22,7 @@ from twinfer.quant import affine, fp8, mxfp4, nvfp4
 from twinfer.quant.registry import FORMAT_INFO, FORMATS, pack_weight
 from twinfer.quant.turboquant import TQCodes, TQTensor, TurboQuant
 from twinfer.quant.turboquant_weight import TQWeight
+from twinfer.runtime.loaders.published import PUBLISHED
 from twinfer.runtime.loaders.quantized import QUANT_METHOD, register_decoder
 
 FLOAT_FORMATS = ("f32", "f16", "bf16")  # tensors a quantized folder keeps unquantized
@@ -198,5 +199,44 @@ def tq_linear_parts(qw: TQWeight) -> TQLinearParts:
     return TQLinearParts(qw.shape, qw.block, *map(tuple, (channels, rotation, codes, scales, centroids)))
 
 
-# Quantized folders are read by the runtime's loader, which cannot import this layer: hand it the decoder.
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A stacked expert weight ``[E, out, in]`` kept in one format: one :class:`QuantizedWeight` per expert
+    (a published checkpoint's per-expert linears, or gpt-oss's MXFP4 ``*_blocks`` split by expert)."""
+
+    fmt: str
+    experts: tuple[QuantizedWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (len(self.experts), *self.experts[0].shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.experts)
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 ``[E, out, in]``."""
+        return np.stack([e.dequantize() for e in self.experts])
+
+
+def from_published(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> QuantizedWeight | QuantizedExperts:
+    """A published layout's packed parts (`runtime/loaders/published.py`, twinfer's field names) as weights."""
+    fmt, shape = str(meta["format"]), [int(x) for x in meta["shape"]]
+    if len(shape) == 2:
+        return QuantizedWeight.from_tensors(meta, arrays)
+    if fmt == "mxfp4":  # gpt-oss experts: blocks [E, out, G, 16], scales [E, out, G]
+        blocks, scales = arrays["blocks"], arrays["scales"]
+        return QuantizedExperts(fmt, tuple(
+            QuantizedWeight(fmt, (shape[1], shape[2]), mxfp4.MXFP4Tensor(blocks[e], scales[e]))
+            for e in range(shape[0])))
+    each = meta["experts"]
+    return QuantizedExperts(fmt, tuple(
+        QuantizedWeight.from_tensors(each[e], {k.split(".", 1)[1]: v for k, v in arrays.items()
+                                               if k.split(".", 1)[0] == str(e)})
+        for e in range(shape[0])))
+
+
+# Quantized folders are read by the runtime's loader, which cannot import this layer: hand it the decoders.
 register_decoder(QUANT_METHOD, QuantizedWeight.from_tensors)
+register_decoder(PUBLISHED, from_published)

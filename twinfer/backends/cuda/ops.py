@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from twinfer.quant.linear import QuantizedWeight
+from twinfer.quant.linear import QuantizedExperts, QuantizedWeight
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.ops import ExpertExtras
 from twinfer.runtime.rope import attention_factor, inv_freq
@@ -53,9 +53,12 @@ class TorchOps:
         layers: range | None = None,
         kv_format: str | None = None,
         kernels: str | None = None,
+        packed_weights: bool = False,
     ):
         """`layers`: the layers whose KV this process stores (a pipeline stage's); default all.
-        `kernels`: "auto" (triton on CUDA), "triton" or "torch" (kernels/__init__.py)."""
+        `kernels`: "auto" (triton on CUDA), "triton" or "torch" (kernels/__init__.py).
+        `packed_weights`: keep published fp8/nvfp4/mxfp4 weights in their bytes (the datacenter target)."""
+        self.packed_weights = packed_weights
         from twinfer.backends.cuda.kernels import load_kernels, select_kernels
 
         self.spec = spec
@@ -143,10 +146,10 @@ class TorchOps:
                 and all(len(c.tokens) == 1 for c in batch.chunks))
 
     def weight(self, name: str, value: Any) -> Any:
-        if isinstance(value, QuantizedWeight):
+        if isinstance(value, (QuantizedWeight, QuantizedExperts)):
             from twinfer.backends.cuda.quant import torch_weight
 
-            return torch_weight(value, self.device, self.dtype)
+            return torch_weight(value, self.device, self.dtype, packed=self.packed_weights)
         return torch.as_tensor(np.ascontiguousarray(value)).to(self.device, self.dtype)
 
     # -- elementwise and dense -----------------------------------------------------------------

@@ -4,7 +4,9 @@ Weights (`torch_weight`): affine int8/int4 keep their codes, scales and biases a
 each matmul; TurboQuant weights keep codes per channel set and run `y = sum_s (x_s R_s^T) .
 (centroids[codes] * scale)`: rotate the activation blocks, then multiply by the codebook-decoded
 rotated weight. Formats with no CPU/torch kernel here (fp8, nvfp4, mxfp4) are dequantized once at
-load (their native kernels are GPU tensor-core paths).
+load on the local target; on the datacenter target (`packed=True`, a GPU plan) they stay in their
+bytes (`TorchPackedLinear`, `TorchPackedExperts`) and dequantize on the fly per matmul where no
+native kernel runs them.
 
 KV (`TorchTQKV`): per layer, each new key/value head vector is split into its channel sets, rotated,
 normalized and coded by the Lloyd-Max boundaries; bit-packed codes (`TorchCodePacking`, the layout of
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from twinfer.quant.bitpack import code_group, packed_width
 from twinfer.quant.kv_format import ChannelSet, KVFormat, mse_sets, qjl_sketch
-from twinfer.quant.linear import QuantizedWeight, tq_linear_parts
+from twinfer.quant.linear import QuantizedExperts, QuantizedWeight, tq_linear_parts
 
 
 class TorchAffineLinear:
@@ -86,12 +88,117 @@ class TorchTQLinear:
         return y.reshape(*lead, out)
 
 
-def torch_weight(qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> Any:
-    """The torch form of a quantized weight: a callable linear, or a dense tensor."""
+def _tensor(a: Any, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.array(a, copy=True)).to(device)  # a copy: published parts are file views
+
+
+_FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def fp4_values(packed: torch.Tensor) -> torch.Tensor:
+    """E2M1 pairs uint8 [..., n/2] (even element in the low nibble) -> float32 [..., n]."""
+    lut = _FP4.to(packed.device)
+    return torch.stack((lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]), dim=-1).flatten(-2)
+
+
+class TorchPackedLinear:
+    """A published FP8 / NVFP4 / MXFP4 weight kept in its format on the device (the datacenter target).
+
+    `dense()` rebuilds the [out, in] weight in the compute dtype; a matmul without a native kernel
+    for the format dequantizes on the fly, so only the packed bytes stay resident. Per-tensor and
+    per-channel FP8 run `torch._scaled_mm` where the GPU has FP8 tensor cores (formats.Fp8Linear's path).
+    """
+
+    def __init__(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
+        p, self.fmt, self.shape, self.dtype = qw.packed, qw.fmt, qw.shape, dtype
+        self.parts: dict[str, torch.Tensor] = {}
+        self.block = int(getattr(p, "block", 0))
+        if qw.fmt == "fp8":
+            scale = np.asarray(p.scale, dtype=np.float32).reshape(-1, 1)  # [1, 1] or [out, 1]
+            self.parts = {"codes": _tensor(p.codes, device).view(torch.float8_e4m3fn), "scale": _tensor(scale, device)}
+        elif qw.fmt == "fp8-block":
+            self.parts = {"codes": _tensor(p.codes, device).view(torch.float8_e4m3fn),
+                          "scale_inv": _tensor(p.scale_inv, device)}
+        elif qw.fmt == "nvfp4":
+            self.parts = {"packed": _tensor(p.packed, device), "scales": _tensor(p.scales, device).view(torch.float8_e4m3fn),
+                          "global_scale": _tensor(np.float32(p.global_scale), device)}
+        elif qw.fmt == "mxfp4":
+            self.parts = {"blocks": _tensor(p.blocks, device), "scales": _tensor(p.scales, device)}
+        else:
+            raise ValueError(f"{qw.fmt} is not a packed float format")
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the weight holds (its packed parts)."""
+        return sum(int(t.nbytes) for t in self.parts.values())
+
+    def dense(self) -> torch.Tensor:
+        out, inp = self.shape
+        t = self.parts
+        if self.fmt == "fp8":
+            w = t["codes"].float() * t["scale"]
+        elif self.fmt == "fp8-block":
+            b = self.block
+            w = t["codes"].float() * t["scale_inv"].repeat_interleave(b, 0).repeat_interleave(b, 1)[:out, :inp]
+        elif self.fmt == "nvfp4":
+            vals = fp4_values(t["packed"]).view(out, inp // 16, 16)  # [out, blocks, 16]
+            w = (vals * (t["scales"].float() * t["global_scale"])[..., None]).view(out, inp)
+        else:  # mxfp4: E8M0 scale 2**(code - 127)
+            vals = fp4_values(t["blocks"])  # [out, G, 32]
+            w = (vals * torch.exp2(t["scales"].float() - 127)[..., None]).view(out, inp)
+        return w.to(self.dtype)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from twinfer.backends.cuda.formats import fp8_supported, quantize_rows
+
+        out, inp = self.shape
+        if self.fmt == "fp8" and fp8_supported(x.device) and inp % 16 == 0 and out % 16 == 0:
+            xq, xs = quantize_rows(x.reshape(-1, inp))
+            scale = self.parts["scale"].expand(out, 1).contiguous()
+            y = torch._scaled_mm(xq, self.parts["codes"].t(), scale_a=xs, scale_b=scale.t(), out_dtype=torch.bfloat16)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], out)
+            return y if bias is None else y + bias
+        return F.linear(x, self.dense().to(x.dtype), bias)
+
+
+class TorchPackedExperts:
+    """Stacked experts [E, out, in] kept packed, one `TorchPackedLinear` each; `experts[e]` is expert
+    e dequantized for its matmul (what TorchOps.experts' loop indexes)."""
+
+    def __init__(self, qe: QuantizedExperts, device: torch.device, dtype: torch.dtype):
+        self.fmt, self.shape = qe.fmt, qe.shape
+        self.experts = [TorchPackedLinear(e, device, dtype) for e in qe.experts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.experts)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.experts[e].dense()
+
+
+PACKED_FLOAT = ("fp8", "fp8-block", "nvfp4", "mxfp4")
+
+
+def torch_weight(qw: QuantizedWeight | QuantizedExperts, device: torch.device, dtype: torch.dtype,
+                 packed: bool = False) -> Any:
+    """The torch form of a quantized weight: a callable linear, or a dense tensor. `packed` keeps the
+    float formats (fp8, fp8-block, nvfp4, mxfp4) in their bytes (the datacenter target); otherwise they
+    are dequantized once here, the local rule, as are stacked experts of the integer formats."""
+    if packed and qw.fmt in PACKED_FLOAT and device.type == "cuda":  # the datacenter serves native formats only
+        from twinfer.backends.cuda.formats import check_format
+
+        check_format("fp8" if qw.fmt == "fp8-block" else qw.fmt, torch.cuda.get_device_capability(device))
+    if isinstance(qw, QuantizedExperts):
+        if packed and qw.fmt in PACKED_FLOAT:
+            return TorchPackedExperts(qw, device, dtype)
+        return torch.from_numpy(qw.dequantize()).to(device, dtype)
     if qw.fmt in ("int8", "int4"):
         return TorchAffineLinear(qw, device, dtype)
     if qw.fmt.startswith("tq"):
         return TorchTQLinear(qw, device, dtype)
+    if packed and qw.fmt in PACKED_FLOAT:
+        return TorchPackedLinear(qw, device, dtype)
     return torch.from_numpy(qw.dequantize()).to(device, dtype)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from twinfer.quant.linear import QuantizedWeight
+from twinfer.quant.linear import QuantizedExperts, QuantizedWeight
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.ops import ExpertExtras
 from twinfer.runtime.rope import attention_factor, inv_freq
@@ -129,7 +129,7 @@ class MlxOps:
         )
 
     def weight(self, name: str, value: Any) -> Any:
-        if isinstance(value, QuantizedWeight):
+        if isinstance(value, (QuantizedWeight, QuantizedExperts)):
             from twinfer.backends.metal.quant import mlx_weight
 
             return mlx_weight(value, self.dtype)

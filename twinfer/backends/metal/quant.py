@@ -18,7 +18,7 @@ import numpy as np
 
 from twinfer.quant.bitpack import code_group, packed_width
 from twinfer.quant.kv_format import ChannelSet, KVFormat, mse_sets, qjl_sketch
-from twinfer.quant.linear import QuantizedWeight, tq_linear_parts
+from twinfer.quant.linear import QuantizedExperts, QuantizedWeight, tq_linear_parts
 
 
 class MlxAffineLinear:
@@ -69,8 +69,10 @@ class MlxTQLinear:
         return y.reshape(*lead, out)
 
 
-def mlx_weight(qw: QuantizedWeight, dtype: mx.Dtype) -> Any:
-    """The MLX form of a quantized weight: a callable linear, or a dense array."""
+def mlx_weight(qw: QuantizedWeight | QuantizedExperts, dtype: mx.Dtype) -> Any:
+    """The MLX form of a quantized weight: a callable linear, or a dense array (stacked experts too)."""
+    if isinstance(qw, QuantizedExperts):
+        return mx.array(qw.dequantize()).astype(dtype)
     if qw.fmt in ("int8", "int4"):
         return MlxAffineLinear(qw, dtype)
     if qw.fmt.startswith("tq"):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from twinfer.runtime.errors import ModelError, UnsupportedArchitecture
 from twinfer.runtime.loaders.names import map_weights
+from twinfer.runtime.loaders.published import PublishedWeightSet, read_layout
+from twinfer.runtime.loaders.published import pack as pack_layout
 from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor, read_safetensors
 from twinfer.runtime.loaders.weights import WeightSet
 from twinfer.runtime.models import architecture, model_for, supported_types
@@ -43,7 +45,11 @@ def load_hf(folder: Path) -> tuple[ModelSpec, WeightSet, dict[str, Any]]:
     arch = _architecture(config)
     expected = model_for(spec).weight_shapes()
     skip = arch.hf_skip(arch.hf_config(config) if arch.hf_config else config) if arch.hf_skip else ()
-    return spec, map_weights(spec, arch.hf_names, stored, str(folder), expected, skip), config
+    layout = read_layout(config, folder, arch.hf_quant_methods)
+    if layout is None:
+        return spec, map_weights(spec, arch.hf_names, stored, str(folder), expected, skip), config
+    packed = pack_layout(layout, stored, str(folder))  # published quantized linears, one tensor each
+    return spec, PublishedWeightSet.of(map_weights(spec, arch.hf_names, packed, str(folder), expected, skip)), config
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -75,12 +81,7 @@ def _architecture(config: dict[str, Any]) -> Architecture:
 def spec_from_config(config: dict[str, Any], name: str = "") -> ModelSpec:
     """The ModelSpec of a transformers config.json dict."""
     arch = _architecture(config)
-    quant = config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") not in arch.hf_quant_methods:
-        raise UnsupportedArchitecture(
-            f"config.json quantization_config.quant_method {quant.get('quant_method')!r} is not supported; "
-            "use the unquantized checkpoint, or a folder written by twinfer quantize"
-        )
+    read_layout(config, None, arch.hf_quant_methods)  # refuses a quantization it does not load, by field
     text = arch.hf_config(config) if arch.hf_config else config
     c = {**_BASE_DEFAULTS, **arch.hf_defaults, **text}
     fields = common_fields(c)
