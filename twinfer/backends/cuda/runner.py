@@ -36,6 +36,7 @@ def build_torch_runner(
     kernels: str | None = None,
     cuda_graphs: bool = True,
     padded_steps: bool | None = None,
+    packed_weights: bool | None = None,
 ) -> TorchRunner:
     """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights, read
     one at a time, with a paged KV cache of `kv_tokens` positions in blocks of `block_size`.
@@ -44,8 +45,11 @@ def build_torch_runner(
     cannot multiply natively is refused. `kernels`: "auto" (triton on CUDA), "triton" or "torch";
     `cuda_graphs`: replay decode steps from CUDA graphs on a GPU (graphs.py). `padded_steps`: keep the
     scratch KV block of padded decode steps (default: only where CUDA graphs can run; True lets a CPU
-    test call `step_padded`)."""
+    test call `step_padded`). `packed_weights`: keep a published checkpoint's fp8/nvfp4/mxfp4 weights in
+    their bytes, the datacenter target (default: on a GPU); otherwise they are dequantized at load."""
     fmt = native_weight_format(weight_format, torch.device(device))
+    if packed_weights is None:
+        packed_weights = torch.device(device).type == "cuda"
     if block_size <= 0 or kv_tokens < block_size:
         raise ValueError(
             f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
@@ -55,7 +59,7 @@ def build_torch_runner(
         padded_steps = cuda_graphs and torch.device(device).type == "cuda"
     ops = TorchOps(  # padded decode steps get one block more than the engine sees: their rows' scratch
         spec, num_blocks=kv.num_blocks + int(padded_steps), block_size=block_size, device=device, dtype=dtype, kv_format=kv_format,
-        kernels=kernels,
+        kernels=kernels, packed_weights=packed_weights,
     )
     converted = {}
     for name in weights:
