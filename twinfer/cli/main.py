@@ -188,13 +188,42 @@ def serve(
     batch_invariant: Annotated[bool, typer.Option(
         "--batch-invariant", help="llama.cpp: every request's greedy output equals its output alone, whatever else "
         "runs (one KV stream of --ctx tokens per sequence, decode steps of 2-7 rows; slower).")] = False,
+    kv_events: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--kv-events", help="Publish vLLM-format KV cache events (ZMQ PUB) on this address to bind, e.g. "
+        "tcp://127.0.0.1:5557, for KV-aware routers (llm-d, Dynamo).")] = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.cli.serve_cmd import run_serve
 
     run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
               drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
-              budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant)
+              budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events)
+
+@app.command()
+def cluster(
+    model: ModelArg = None,
+    replicas: Annotated[int, typer.Option("--replicas", help="twinfer serve replicas behind the gateway.")] = 2,
+    prefill: Annotated[int, typer.Option("--prefill", help="Prefill replicas (with --decode: disaggregated serving).")] = 0,
+    decode: Annotated[int, typer.Option("--decode", help="Decode replicas (with --prefill).")] = 0,
+    policy: Annotated[str, typer.Option("--policy", help="Gateway routing: cache_aware, round_robin or power_of_two.")] = "cache_aware",
+    host: Annotated[str, typer.Option("--host", help="Address of the gateway and the replicas.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="The gateway's port (0: any free port).")] = 8000,
+    threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--threads", help="Compute threads per replica (default: the physical cores split among the replicas).")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", help="KV-cache tokens per replica.")] = 4096,
+    max_seqs: Annotated[int, typer.Option("--max-seqs", help="Requests each replica computes at once.")] = 16,
+    kv_events: Annotated[bool, typer.Option("--kv-events/--no-kv-events",
+                                            help="Each replica publishes vLLM-format KV events (ZMQ).")] = True,
+    startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for everything to be up.")] = 180.0,
+    log_dir: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--log-dir", help="Write each replica's and the gateway's output to files here (default: stderr).")] = None,
+) -> None:
+    """Replicas of `twinfer serve` behind SGLang's Model Gateway (smg) on one port; Ctrl+C stops them all."""
+    from twinfer.cli.cluster_cmd import run_cluster
+
+    run_cluster(model, replicas, prefill, decode, policy, host, port, threads, ctx, max_seqs, kv_events,
+                startup_timeout, log_dir)
+
 
 @app.command()
 def prune(

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from twinfer.runtime.errors import TwinferError
 
@@ -22,7 +23,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               drain_timeout: float, max_body_mb: float, log_level: str, loop_guard: bool = True,
               guard_retries: int = 0, speculate: str = "off",
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
-              batch_invariant: bool = False) -> None:
+              batch_invariant: bool = False, kv_events: str | None = None) -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
@@ -63,6 +64,11 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             if session.strategy is not None:  # --memory-budget: the planner's local strategy, summarized on stderr
                 print(f"twinfer: {session.strategy.summary()}", file=sys.stderr)
             opened, engine = session.opened, session.engine()
+            if kv_events:  # vLLM-format KV events for KV-aware routers (runtime/kv/events.py)
+                from twinfer.runtime.kv.events import ZmqKVEventPublisher
+
+                publisher.append(ZmqKVEventPublisher(kv_events, engine.blocks.block_size))
+                engine.blocks.events = publisher[0]
             async_engine = AsyncEngine(engine, max_queue=max_queue)
             async_engine.start()
             state.names.add(opened.name)
@@ -75,8 +81,11 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             state.load_error = str(e) if isinstance(e, TwinferError) else f"{type(e).__name__}: {e}"
             server.should_exit = True
 
+    publisher: list[Any] = []  # the KV event publisher, once the engine exists
     threading.Thread(target=load, name="twinfer-load", daemon=True).start()
     server.run()
+    for p in publisher:
+        p.close()
     if state.load_error is not None:
         raise TwinferError(f"could not load the model: {state.load_error}")
 

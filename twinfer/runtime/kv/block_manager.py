@@ -19,6 +19,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from twinfer.runtime.kv.events import KVEventSink
 
 Link = tuple[int, int]  # (block id, generation): one registered block's content, stable while cached
 
@@ -80,6 +84,7 @@ class BlockManager:
         self.root = root_key(salt)
         self.seqs: dict[int, SeqBlocks] = {}
         self.on_evict: Callable[[int], None] | None = None  # told each cached block id evicted for room
+        self.events: KVEventSink | None = None  # told each block registered / unregistered (runtime/kv/events.py)
         self.hits = 0  # prefix-cache tokens reused
         self.queries = 0  # prompt tokens looked up
 
@@ -160,6 +165,8 @@ class BlockManager:
             if existing is None and block.key is None:
                 block.key, block.tokens, block.parent = key, chunk, parent
                 self.by_key[key] = holder
+                if self.events is not None:
+                    self.events.stored(key, seq.keys[-1] if seq.keys else None, chunk)
             elif existing is not None and self._holds(existing, chunk, parent):
                 holder = existing  # the same content is already registered: link children to it
             seq.keys.append(key)
@@ -222,6 +229,8 @@ class BlockManager:
         """The block stops holding its registered content: drop its key; its children no longer link."""
         if block.key is not None and self.by_key.get(block.key) == block.block_id:
             del self.by_key[block.key]
+            if self.events is not None:
+                self.events.removed(block.key)
         block.key = block.tokens = block.parent = None
         block.generation += 1
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from twinfer.runtime.engine.async_engine import AsyncEngine
+from twinfer.runtime.engine.async_engine import AsyncEngine, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -42,11 +42,20 @@ class _EngineCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from _vllm_load(s)
         yield CounterMetricFamily("twinfer_guard_trips", "times the token-loop guard cut a generation", value=s.guard_trips)
         yield CounterMetricFamily("twinfer_preemptions", "requests preempted for KV memory", value=s.preemptions)
         yield CounterMetricFamily("twinfer_engine_steps", "engine steps run", value=s.steps)
         yield from _speculative(s.speculative)
         yield from _constraints(s.constraints)
+
+
+def _vllm_load(s: EngineStats) -> Iterator[Metric]:
+    """vLLM's load gauges under vLLM's names, which KV- and load-aware routers (llm-d, Dynamo, gateways) scrape."""
+    yield GaugeMetricFamily("vllm:num_requests_running", "requests in model execution batches", value=s.running)
+    yield GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting to be processed", value=s.waiting)
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # the new name and the older one
+        yield GaugeMetricFamily(name, "KV-cache usage: 1 means 100 percent", value=s.kv_usage)
 
 
 def _constraints(c: dict[str, float]) -> Iterator[Metric]:
