@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from twinfer.runtime.errors import ModelError, RequestError
+from twinfer.runtime.models.gemma3 import CHAT_TEMPLATE as GEMMA3_TEMPLATE
 from twinfer.runtime.tokenizer import StreamDecoder, Tokenizer, load_tokenizer, render_chat
 from twinfer.runtime.tokenizer import cache as tok_cache
-from twinfer.runtime.tokenizer.chat import FALLBACK_TEMPLATE, GEMMA3_TEMPLATE
+from twinfer.runtime.tokenizer.chat import FALLBACK_TEMPLATE
 from twinfer.runtime.tokenizer.gguf_meta import read_gguf_metadata
 
 EDGE_CASES = [

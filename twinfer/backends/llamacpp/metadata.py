@@ -13,10 +13,15 @@ from types import ModuleType
 from typing import Any
 
 from twinfer.runtime.errors import ModelError
+from twinfer.runtime.models import gguf_architecture
 from twinfer.runtime.spec import ModelSpec
 
-# GGUF `general.architecture` names that differ from Hugging Face's `model_type`.
-_HF_MODEL_TYPE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+
+def model_type(arch: str) -> str:
+    """The model_type of a GGUF `general.architecture`: the registry's for architectures twinfer has
+    a file for (`deepseek2` is `deepseek_v3`), else the GGUF name itself."""
+    known = gguf_architecture(arch)
+    return known.name if known is not None else arch
 
 
 def meta_str(lib: ModuleType, model: Any, key: str) -> str | None:
@@ -56,7 +61,7 @@ def spec_from_model(lib: ModuleType, model: Any, n_vocab: int) -> ModelSpec:
     kv_heads = int(lib.llama_model_n_head_kv(model)) if hasattr(lib, "llama_model_n_head_kv") else heads
     window = key("attention.sliding_window", int, None)
     return ModelSpec(
-        model_type=_HF_MODEL_TYPE.get(arch, arch),
+        model_type=model_type(arch),
         vocab_size=n_vocab,
         hidden_size=hidden,
         num_layers=int(lib.llama_model_n_layer(model)),

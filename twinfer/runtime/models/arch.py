@@ -44,3 +44,4 @@ class Architecture:
     gguf_skip: Callable[[GGUFKeys, ModelSpec], tuple[str, ...]] | None = None  # tensor-name prefixes left unread
     hf_skip: Callable[[dict[str, Any]], tuple[str, ...]] | None = None  # tensor-name prefixes left unread
     hf_quant_methods: tuple[str, ...] = ()  # published `quantization_config.quant_method`s its table reads
+    chat_template: str | None = None  # for model files that carry none (Gemma 3 GGUFs)

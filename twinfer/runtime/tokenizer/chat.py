@@ -41,56 +41,15 @@ FALLBACK_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# Gemma 3's template (google/gemma-3-*-it tokenizer_config.json). GGUF conversions of Gemma 3 do not
-# always carry it (the default model's file does not), and ChatML would be the wrong format for it.
-GEMMA3_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
-
-_BUILTIN = {"gemma3": GEMMA3_TEMPLATE, "gemma3_text": GEMMA3_TEMPLATE}
-
 
 def builtin_template(architecture: str) -> str | None:
-    """The known chat template of an architecture whose model file carries none, else None."""
-    return _BUILTIN.get(architecture)
+    """The chat template an architecture's file declares (`Architecture.chat_template`) for model files
+    that carry none; `architecture` is a GGUF `general.architecture` or a model_type. None if unknown."""
+    from twinfer.runtime.models import architecture as by_model_type
+    from twinfer.runtime.models import gguf_architecture
+
+    arch = gguf_architecture(architecture) or by_model_type(architecture)
+    return arch.chat_template if arch is not None else None
 
 
 def render_chat(
