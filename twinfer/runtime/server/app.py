@@ -10,6 +10,7 @@ share one process. Outer layers, in order: request counting, the API key, the bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from twinfer.runtime.constraints.spec import GrammarError
 from twinfer.runtime.engine.async_engine import AsyncEngine
 from twinfer.runtime.engine.params import GuardConfig
 from twinfer.runtime.server import anthropic, handlers, responses_api, tokens
@@ -46,7 +48,11 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.engine)
 
     def attach(self, engine: AsyncEngine, tokenizer: Any) -> None:
-        """Start serving `engine` (a server that was started while its model loaded)."""
+        """Start serving `engine` (a server that was started while its model loaded). llguidance's
+        tokenizer is built first: the build holds the GIL for seconds on a 262k vocabulary, which
+        would freeze every stream if the first constrained request paid for it."""
+        with contextlib.suppress(GrammarError):  # unreadable: the first constrained request says so (400)
+            engine.engine.grammars.ll_tokenizer()
         self.tokenizer = tokenizer
         self.engine = engine
 
