@@ -1,9 +1,10 @@
 """Write a pruned model in the format it came in, copying the kept tensors' stored bytes unchanged.
 
 GGUF: tensors of kept blocks are renumbered (`blk.7.*` -> `blk.5.*`), `{arch}.block_count` and per-layer
-metadata arrays follow, and Gemma 3's sliding/global layout is written per layer
-(`gemma3.attention.sliding_window_pattern`, which llama.cpp's `load_swa_pattern` reads) because
-removing blocks moves the every-sixth-layer pattern. Quantized blocks are copied, not requantized.
+metadata arrays follow, and a mix of sliding and full layers (Gemma 3, gpt-oss) is written per layer
+(`{arch}.attention.sliding_window_pattern`, which llama.cpp's `load_swa_pattern` reads) because
+removing blocks moves the default pattern (every sixth layer global, every other one sliding).
+Quantized blocks are copied, not requantized.
 Hugging Face folders: safetensors shards with renumbered names, config.json with the new
 `num_hidden_layers`, explicit `layer_types` and expert count; tokenizer and other files copied.
 """
@@ -86,7 +87,7 @@ def write_pruned_gguf(src: Path, out: Path, spec: ModelSpec, keep_layers: Sequen
         return new_name, raw if rows is None else raw[rows], ggml_type
 
     extra = []
-    if spec.sliding_window and arch == "gemma3":
+    if len(set(spec.attention_types)) > 1:  # mixed sliding and full layers: the default pattern moved
         extra.append((pattern_key, [spec.attention_types[i] == SLIDING for i in keep_layers], ARRAY, _BOOL))
     return rewrite_gguf(contents, out, values=value, extra=extra, tensors=tensor)
 
