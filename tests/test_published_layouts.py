@@ -131,7 +131,7 @@ def check(folder: Path, ref: Any, formats: set[str]) -> dict[str, Any]:
     names = loaded.weights.names()
     kept = {n: f for n in names if (f := loaded.weights.format_of(n)) is not None}  # type: ignore[attr-defined]
     assert set(kept.values()) == formats
-    weights = {n: loaded.weights.load(n) for n in names}
+    weights = {n: loaded.weights[n] for n in names}  # what a runner holds: packed where kept
     runners = {
         "torch-local": build_torch_runner(loaded.spec, weights, kv_tokens=64, block_size=BLOCK),
         "torch-datacenter": build_torch_runner(loaded.spec, weights, kv_tokens=64, block_size=BLOCK,
@@ -333,6 +333,17 @@ def test_mlx_community_affine(tmp_path: Path) -> None:
     assert loaded.weights.format_of("layers.0.down") == "int8" and loaded.weights.format_of("layers.0.q") == "int4"
     assert loaded.weights.format_of("embed") is None  # looked up by rows: dequantized
     check(folder, ref, {"int4", "int8"})
+    # the app's path (load_mlx_runner / load_torch_runner) keeps the codes: mx.quantized_matmul on MLX
+    from twinfer.backends.cuda.quant import TorchAffineLinear
+    from twinfer.backends.cuda.runner import load_torch_runner
+    from twinfer.backends.metal.quant import MlxAffineLinear
+    from twinfer.backends.metal.runner import load_mlx_runner
+
+    assert isinstance(load_mlx_runner(loaded, kv_tokens=64, block_size=BLOCK).weights["layers.0.q"], MlxAffineLinear)
+    assert isinstance(load_torch_runner(loaded, kv_tokens=64, block_size=BLOCK).weights["layers.0.q"],
+                      TorchAffineLinear)
+    dense = loaded.weights.load("layers.0.q")  # float readers (quantize, prune, shards) get float32
+    assert isinstance(dense, np.ndarray) and dense.dtype == np.float32
 
 
 def test_packed_tensor_reads_dequantized(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def load_mlx_runner(
     `kv_tokens` positions in blocks of `block_size`. Weights are converted one at a time.
     `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant."""
     w = loaded.weights
-    return _build(loaded.spec, w.names(), w.load, kv_tokens, block_size, dtype, kv_format)
+    return _build(loaded.spec, w.names(), w.__getitem__, kv_tokens, block_size, dtype, kv_format)  # packed where kept
 
 
 def build_mlx_runner(

@@ -378,9 +378,10 @@ def dequantize(fmt: str, shape: Shape, a: dict[str, np.ndarray], meta: dict[str,
 
 # -- the weight set --------------------------------------------------------------------------------
 class PublishedWeightSet(WeightSet):
-    """A published checkpoint's weights: packed linears (and gpt-oss's MXFP4 experts) load as the
-    registered decoder's objects, so backends keep them in their format; the rest as float32.
-    Without a decoder (a runtime-only reader) everything loads as float32."""
+    """A published checkpoint's weights. `weights[name]` gives packed linears (and gpt-oss's MXFP4
+    experts) as the registered decoder's objects, so runners keep them in their format, and the rest
+    as float32; `load(name)` always dequantizes to float32 (quantize, prune, sharded loads). Without a
+    decoder (a runtime-only reader) both give float32."""
 
     @classmethod
     def of(cls, weights: WeightSet) -> PublishedWeightSet:
@@ -408,7 +409,9 @@ class PublishedWeightSet(WeightSet):
                                 {"blocks": np.ascontiguousarray(blocks), "scales": np.ascontiguousarray(scales)})
         return None
 
-    def load(self, name: str) -> Any:  # type: ignore[override]
+    def __getitem__(self, name: str) -> Any:  # type: ignore[override]
+        """What a runner holds: the decoder's packed object where the weight stays in its format,
+        else `load(name)`. (`load` itself is always float32, for readers that transform weights.)"""
         decode = _DECODERS.get(PUBLISHED)
         packed = self.packed(name) if decode is not None else None
         if packed is None or decode is None:
