@@ -1,8 +1,10 @@
 """Random-weight checkpoints written tensor by tensor, for tests and benchmarks of large models.
 
-`write_synthetic_moe` writes a Hugging Face qwen3_moe folder (config.json, sharded safetensors with
-one tensor per expert, an index), `write_synthetic_gpt_oss` a gpt_oss one (fused experts), of any size with bounded memory: each tensor is drawn from its own
-seeded generator, written, and dropped, so a 2 GB model costs one tensor of RAM to make.
+`write_synthetic_moe` writes a Hugging Face folder (config.json, sharded safetensors, an index) of an
+architecture's synthetic shape, which its model file declares (`SyntheticMoE`: Qwen3-MoE with one
+tensor per expert; `SyntheticGptOss`: gpt-oss with fused experts), of any size with bounded memory:
+each tensor is drawn from its own seeded generator, written, and dropped, so a 2 GB model costs one
+tensor of RAM to make.
 `greedy_tokens` decodes a prompt greedily straight through a runner (no tokenizer needed).
 """
 
@@ -11,119 +13,36 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from twinfer.runtime.batch import SeqChunk, StepBatch
+from twinfer.runtime.models.gpt_oss import SyntheticGptOss
+from twinfer.runtime.models.qwen3_moe import SyntheticMoE
 from twinfer.runtime.runner import Runner
 
+__all__ = ["SyntheticGptOss", "SyntheticMoE", "SyntheticShape", "greedy_tokens", "write_synthetic_gpt_oss",
+           "write_synthetic_moe"]
 
-@dataclass(frozen=True)
-class SyntheticMoE:
-    """The shape of a synthetic qwen3_moe model."""
 
-    hidden: int = 256
-    intermediate: int = 256  # per expert
-    layers: int = 16
-    experts: int = 16
-    top_k: int = 4
-    vocab: int = 512
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
-    dtype: str = "F32"  # "F32" or "BF16" in the file
+class SyntheticShape(Protocol):
+    """What the writer needs of an architecture's synthetic shape (`qwen3_moe.SyntheticMoE`,
+    `gpt_oss.SyntheticGptOss`): its config.json and, per layer, (name, shape, std) of its tensors."""
 
     @property
-    def expert_bytes(self) -> int:
-        """Stored bytes of every routed expert in the model."""
-        item = 4 if self.dtype == "F32" else 2
-        return self.layers * self.experts * 3 * self.intermediate * self.hidden * item
-
-    def config(self) -> dict[str, object]:
-        return {
-            "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": self.vocab,
-            "hidden_size": self.hidden, "intermediate_size": 4 * self.hidden, "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-            "moe_intermediate_size": self.intermediate, "num_experts": self.experts,
-            "num_experts_per_tok": self.top_k, "norm_topk_prob": True, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-            "torch_dtype": "float32" if self.dtype == "F32" else "bfloat16",
-        }  # fmt: skip
-
-    def layer_tensors(self, i: int) -> Iterator[tuple[str, tuple[int, ...], float]]:
-        """(name, shape, std) of layer i's tensors; std 0 marks a norm (ones plus noise)."""
-        C, Ie, D = self.hidden, self.intermediate, self.head_dim
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (C,), 0.0
-        yield p + "post_attention_layernorm.weight", (C,), 0.0
-        yield p + "self_attn.q_proj.weight", (self.heads * D, C), C**-0.5
-        yield p + "self_attn.k_proj.weight", (self.kv_heads * D, C), C**-0.5
-        yield p + "self_attn.v_proj.weight", (self.kv_heads * D, C), C**-0.5
-        yield p + "self_attn.o_proj.weight", (C, self.heads * D), (self.heads * D) ** -0.5
-        yield p + "self_attn.q_norm.weight", (D,), 0.0
-        yield p + "self_attn.k_norm.weight", (D,), 0.0
-        yield p + "mlp.gate.weight", (self.experts, C), 4 * C**-0.5  # sharp routing: experts differ
-        for e in range(self.experts):
-            for proj, shape in (("gate", (Ie, C)), ("up", (Ie, C)), ("down", (C, Ie))):
-                yield p + f"mlp.experts.{e}.{proj}_proj.weight", shape, shape[1] ** -0.5
-
-
-@dataclass(frozen=True)
-class SyntheticGptOss:
-    """The shape of a synthetic gpt_oss model: sinks, alternating sliding and full layers, a biased
-    router, biased experts with a clamped SwiGLU, stored as transformers holds them (fused
-    `gate_up_proj` [E, C, 2I] with gate and up interleaved, `down_proj` [E, I, C])."""
-
-    hidden: int = 1024
-    intermediate: int = 512  # per expert
-    layers: int = 12
-    experts: int = 32
-    top_k: int = 4
-    vocab: int = 512
-    heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 64
-    sliding_window: int = 128
-    dtype: str = "F32"
-
+    def hidden(self) -> int: ...
     @property
-    def expert_bytes(self) -> int:
-        """Stored bytes of every routed expert in the model (biases excluded)."""
-        item = 4 if self.dtype == "F32" else 2
-        return self.layers * self.experts * 3 * self.intermediate * self.hidden * item
+    def layers(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
 
-    def config(self) -> dict[str, object]:
-        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.layers)]
-        return {
-            "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": self.vocab,
-            "hidden_size": self.hidden, "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-            "num_local_experts": self.experts, "num_experts_per_tok": self.top_k, "sliding_window": self.sliding_window,
-            "layer_types": types, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "attention_bias": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}, "swiglu_limit": 7.0,
-            "tie_word_embeddings": False, "torch_dtype": "float32" if self.dtype == "F32" else "bfloat16",
-        }  # fmt: skip
+    def config(self) -> dict[str, object]: ...
 
-    def layer_tensors(self, i: int) -> Iterator[tuple[str, tuple[int, ...], float]]:
-        """(name, shape, std) of layer i's tensors; std 0 marks a norm (ones plus noise)."""
-        C, Ie, D, E, H, Hkv = self.hidden, self.intermediate, self.head_dim, self.experts, self.heads, self.kv_heads
-        p, a, x = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.experts."
-        yield p + "input_layernorm.weight", (C,), 0.0
-        yield p + "post_attention_layernorm.weight", (C,), 0.0
-        for proj, rows in (("q", H * D), ("k", Hkv * D), ("v", Hkv * D)):
-            yield a + f"{proj}_proj.weight", (rows, C), C**-0.5
-            yield a + f"{proj}_proj.bias", (rows,), 0.1
-        yield a + "o_proj.weight", (C, H * D), (H * D) ** -0.5
-        yield a + "o_proj.bias", (C,), 0.1
-        yield a + "sinks", (H,), 0.5
-        yield p + "mlp.router.weight", (E, C), 4 * C**-0.5  # sharp routing: experts differ
-        yield p + "mlp.router.bias", (E,), 0.5
-        yield x + "gate_up_proj", (E, C, 2 * Ie), C**-0.5
-        yield x + "gate_up_proj_bias", (E, 2 * Ie), 0.1
-        yield x + "down_proj", (E, Ie, C), Ie**-0.5
-        yield x + "down_proj_bias", (E, C), 0.1
+    def layer_tensors(self, i: int) -> Iterator[tuple[str, tuple[int, ...], float]]: ...
 
 
 def _values(shape: tuple[int, ...], std: float, seed: int, index: int, dtype: str) -> np.ndarray:
@@ -155,9 +74,10 @@ def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...], float, in
             f.write(_values(shape, std, seed, index, dtype).tobytes())
 
 
-def write_synthetic_moe(folder: Path, shape: SyntheticMoE | SyntheticGptOss = SyntheticMoE(), seed: int = 0) -> Path:
-    """Write a random qwen3_moe (or, given a `SyntheticGptOss`, gpt_oss) checkpoint into `folder`
-    (one shard per layer); returns the folder."""
+def write_synthetic_moe(folder: Path, shape: SyntheticShape | None = None, seed: int = 0) -> Path:
+    """Write a random checkpoint of `shape` (default: `SyntheticMoE()`, a Qwen3-MoE) into `folder` (one
+    shard per layer); returns the folder."""
+    shape = shape if shape is not None else SyntheticMoE()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(shape.config(), indent=1))
     C, V = shape.hidden, shape.vocab
@@ -181,9 +101,9 @@ def write_synthetic_moe(folder: Path, shape: SyntheticMoE | SyntheticGptOss = Sy
     return folder
 
 
-def write_synthetic_gpt_oss(folder: Path, shape: SyntheticGptOss = SyntheticGptOss(), seed: int = 0) -> Path:
-    """Write a random gpt_oss checkpoint into `folder` (one shard per layer); returns the folder."""
-    return write_synthetic_moe(folder, shape, seed)
+def write_synthetic_gpt_oss(folder: Path, shape: SyntheticGptOss | None = None, seed: int = 0) -> Path:
+    """Write a random gpt-oss checkpoint (default: `SyntheticGptOss()`) into `folder` (one shard per layer)."""
+    return write_synthetic_moe(folder, shape if shape is not None else SyntheticGptOss(), seed)
 
 
 def greedy_tokens(runner: Runner, prompt: list[int], steps: int, seq_id: int = 1) -> list[int]:
