@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 
@@ -11,8 +12,15 @@ from twinfer.quant.fidelity import measure_kl
 
 
 def run_eval_kl(model: str | None, reference: str, candidate: str, corpus: str, tokens: int, window: int,
-                json_out: bool) -> None:
-    report = measure_kl(model, reference, candidate, corpus, tokens, window, runners=RUNNERS)
+                json_out: bool, top_k: int = 20, api_key_env: str = "OPENAI_API_KEY") -> None:
+    from twinfer.quant.remote import is_url, measure_remote_kl
+
+    report: Any
+    if is_url(candidate):
+        report = measure_remote_kl(model, reference, candidate, corpus, tokens, window, runners=RUNNERS,
+                                   top_k=top_k, api_key_env=api_key_env)
+    else:
+        report = measure_kl(model, reference, candidate, corpus, tokens, window, runners=RUNNERS)
     if json_out:
         typer.echo(json.dumps(report.as_dict()))
     else:

@@ -8,6 +8,7 @@ User errors (`TwinferError`) print as one line on stderr with a non-zero exit co
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -85,19 +86,41 @@ def generate(
 def eval_kl(
     model: ModelArg = None,
     reference: Annotated[str, typer.Option("--reference", help="SPEC: llamacpp, torch, mlx, transformers or a model path.")] = "transformers",
-    candidate: Annotated[str, typer.Option("--candidate", help="SPEC: llamacpp, torch, mlx, transformers or a model path; a backend may take options: torch:kv=tq4, torch:weights=int4, mlx:kv=tq2.5, llamacpp:kv=q4_0.")] = "torch",
+    candidate: Annotated[str, typer.Option("--candidate", help="SPEC: llamacpp, torch, mlx, transformers, a model path or an OpenAI-compatible URL (http://host:port/v1); a backend may take options: torch:kv=tq4, torch:weights=int4, mlx:kv=tq2.5, llamacpp:kv=q4_0.")] = "torch",
     corpus: Annotated[str, typer.Option("--corpus", help="prose, code, or a text file path.")] = "prose",
     tokens: Annotated[int, typer.Option("--tokens", help="Tokens of the corpus to score.")] = 512,
     window: Annotated[int, typer.Option("--window", help="Teacher-forced window length.")] = 256,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    top_k: Annotated[int, typer.Option("--top-k", help="Top logprobs asked of a URL candidate (<= 20).")] = 20,
+    api_key_env: Annotated[str, typer.Option("--api-key-env", help="Variable holding a URL candidate's API key.")] = "OPENAI_API_KEY",
 ) -> None:
-    """KL(reference || candidate) of next-token distributions on the same token stream."""
+    """KL(reference || candidate) of next-token distributions on the same token stream.
+
+    The candidate may be an OpenAI-compatible endpoint (http(s)://.../v1): KL is then estimated from
+    its top-k logprobs with the rest as one tail bucket (a lower bound on the exact KL).
+    """
     from twinfer.cli.eval_cmd import run_eval_kl
 
-    run_eval_kl(model, reference, candidate, corpus, tokens, window, json_out)
+    run_eval_kl(model, reference, candidate, corpus, tokens, window, json_out, top_k, api_key_env)
 
 
 # -- commands added by later modules go below this line (keep each body a lazy import) ----------
+
+
+@app.command()
+def doctor(
+    model: ModelArg = None,
+    prompt: Annotated[Optional[str], typer.Argument(help="Text to run (default: 64 tokens of the prose corpus).")] = None,  # noqa: UP045
+    tokens: Annotated[int, typer.Option("--tokens", help="At most this many prompt tokens.")] = 64,
+    memory_budget: MemoryBudgetOpt = None,
+    skip: Annotated[Optional[list[str]], typer.Option("--skip", help="A stage to leave out (repeatable), e.g. 'TP=2 (gloo)'.")] = None,  # noqa: UP045
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the result (stages, hardware, versions, git revision) here.")] = None,  # noqa: UP045
+) -> None:
+    """Run the same tokens through every stage (reference, graphs, llama.cpp, budget, TP/EP, speculation,
+    batching) and name the first one that changes the model more than it may. Exit 1 when one does."""
+    from twinfer.cli.doctor_cmd import run_doctor_cmd
+
+    run_doctor_cmd(model, prompt, tokens, memory_budget, skip or [], json_out)
 
 
 @app.command()
@@ -191,13 +214,21 @@ def serve(
     kv_events: Annotated[Optional[str], typer.Option(  # noqa: UP045
         "--kv-events", help="Publish vLLM-format KV cache events (ZMQ PUB) on this address to bind, e.g. "
         "tcp://127.0.0.1:5557, for KV-aware routers (llm-d, Dynamo).")] = None,
+    replica_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--replica-name", envvar="TWINFER_REPLICA_NAME", show_envvar=True,
+        help="This replica's name in a cluster: reported in every response's usage.cost.route.")] = None,
+    kv_connector: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--kv-connector", help="Hand prompts' KV to and take it from other replicas (prefill/decode "
+        "disaggregation; requests carry kv_transfer_params): tcp, or nixl where installed.")] = None,
+    kv_host: Annotated[str, typer.Option("--kv-host", help="Address the KV connector listens on and advertises.")] = "127.0.0.1",
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.cli.serve_cmd import run_serve
 
     run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
               drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
-              budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events)
+              budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events,
+              replica_name=replica_name, kv_connector=(kv_connector, kv_host))
 
 @app.command()
 def cluster(

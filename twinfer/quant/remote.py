@@ -1,0 +1,264 @@
+"""`twinfer eval kl --candidate URL`: how faithfully an OpenAI-compatible endpoint serves a model.
+
+The reference is a local SPEC (quant/fidelity.py) with its full next-token distribution; the
+endpoint scores the same token stream, teacher-forced, through the completions API with token-id
+prompts. It gives its top-k logprobs either for every prompt token at once (`echo` + `logprobs`,
+vLLM's and OpenAI's legacy prompt logprobs) or, where it refuses that, one position per request
+(`max_tokens=1`, `logprobs=k`, k <= 20 on OpenAI's API). KL is estimated from the top k with the
+rest as one tail bucket (quant/topk_kl.py: a lower bound on the exact KL).
+
+Before scoring, the endpoint's tokenizer must agree with the model's on the corpus (vLLM's
+`/tokenize` where it exists, else the prompt token count the endpoint reports).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from twinfer.quant.fidelity import RunnerFactory, corpus_windows, open_source
+from twinfer.quant.kl import KLReport
+from twinfer.quant.topk_kl import TopRow, topk_kl_rows
+from twinfer.runtime.corpus import corpus_text
+from twinfer.runtime.errors import TwinferError
+from twinfer.runtime.model_path import resolve_path
+
+FAITHFUL_KL = 1e-3  # mean KL at or below which an endpoint serves the model faithfully
+
+
+def is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+class PieceIndex:
+    """Token pieces (as a server decodes one id) -> the ids that decode to each."""
+
+    def __init__(self, tokenizer: Any):
+        self.ids: dict[str, list[int]] = {}
+        for i in range(tokenizer.vocab_size):
+            self.ids.setdefault(tokenizer.decode([i]), []).append(i)
+
+    def row(self, top: dict[str, float] | None) -> list[tuple[list[int], float]]:
+        """An endpoint's `{piece: logprob}` as (ids, logprob) pairs; pieces outside the vocabulary keep no ids."""
+        return [(self.ids.get(piece, []), float(lp)) for piece, lp in (top or {}).items()]
+
+
+class Endpoint:
+    """One OpenAI-compatible endpoint, through the `openai` SDK (its bounded, backed-off retries on 429/5xx)."""
+
+    def __init__(self, url: str, api_key_env: str = "OPENAI_API_KEY", retries: int = 4, timeout_s: float = 60.0):
+        try:
+            import openai
+        except ImportError as exc:
+            raise TwinferError(f"--candidate URL needs the openai package (pip install openai): {exc}") from exc
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self._openai = openai
+        key = os.environ.get(api_key_env) or "EMPTY"  # local servers take any key
+        self.client = openai.OpenAI(base_url=self.url, api_key=key, max_retries=retries, timeout=timeout_s)
+        self.model = self._call(self._served_model)
+        self.system_fingerprint: str | None = None
+        self.echo: bool | None = None  # whether it returns prompt logprobs; None until asked
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one SDK call; its failures become one-line `TwinferError`s that say what to do."""
+        oa = self._openai
+        try:
+            return fn(*args, **kwargs)
+        except oa.RateLimitError as exc:
+            raise TwinferError(f"{self.url} answered 429 (rate limited) {self.retries + 1} times, with backed-off "
+                               f"retries; wait and retry, or score fewer --tokens") from exc
+        except oa.AuthenticationError as exc:
+            raise TwinferError(f"{self.url} refused the API key (401): set it in the variable --api-key-env names "
+                               "(default OPENAI_API_KEY)") from exc
+        except oa.APITimeoutError as exc:
+            raise TwinferError(f"{self.url} did not answer in time: {exc}") from exc
+        except oa.APIConnectionError as exc:
+            raise TwinferError(f"cannot reach {self.url}: {exc.__cause__ or exc}; is the server running, "
+                               "and does the URL end in /v1?") from exc
+        except oa.APIStatusError as exc:
+            raise TwinferError(f"{self.url} answered {exc.status_code}: {_message(exc)}") from exc
+
+    def _served_model(self) -> str:
+        models = self.client.models.list().data
+        if not models:
+            raise TwinferError(f"{self.url}/models lists no model")
+        return str(models[0].id)
+
+    def complete(self, prompt: list[int], k: int) -> Any:
+        """A greedy one-token completion of `prompt` (token ids) with top-k logprobs."""
+        out = self._call(self.client.completions.create, model=self.model, prompt=prompt, max_tokens=1,
+                         temperature=0.0, logprobs=k)
+        self.system_fingerprint = getattr(out, "system_fingerprint", None) or self.system_fingerprint
+        return out
+
+    def prompt_logprobs(self, prompt: list[int], k: int) -> list[dict[str, float] | None] | None:
+        """Top-k logprobs of every prompt position (`echo`), or None (and `echo` False) where it refuses."""
+        def ask() -> Any:
+            try:
+                return self.client.completions.create(model=self.model, prompt=prompt, max_tokens=1,
+                                                      temperature=0.0, logprobs=k, echo=True)
+            except self._openai.BadRequestError:  # e.g. "echo with logprobs is not supported"
+                return None
+
+        out = self._call(ask)
+        if out is None:
+            self.echo = False
+            return None
+        lp = getattr(out.choices[0], "logprobs", None)
+        tops = getattr(lp, "top_logprobs", None) if lp is not None else None
+        self.echo = tops is not None and len(tops) >= len(prompt)
+        if not self.echo:
+            return None
+        self.system_fingerprint = getattr(out, "system_fingerprint", None) or self.system_fingerprint
+        return list(tops)
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """vLLM's `/tokenize` (at the server root) without special tokens; None where the endpoint has none."""
+        import httpx
+
+        root = self.url.removesuffix("/v1")
+        try:
+            r = httpx.post(f"{root}/tokenize", json={"model": self.model, "prompt": text, "add_special_tokens": False},
+                           headers={"Authorization": f"Bearer {self.client.api_key}"}, timeout=60.0)
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        tokens = r.json().get("tokens")
+        return [int(t) for t in tokens] if isinstance(tokens, list) else None
+
+
+def _message(exc: Any) -> str:
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+    return str(getattr(exc, "message", exc))
+
+
+@dataclass(frozen=True)
+class RemoteKLReport:
+    """`KLReport` of a reference against an endpoint, with what the endpoint said about itself."""
+
+    kl: KLReport
+    endpoint: str
+    served_model: str
+    system_fingerprint: str | None
+    seconds: float
+    method: str  # "echo" (prompt logprobs) or "token-by-token"
+    top_k: int
+    tokenizer_check: str
+    candidate_tail_mass: float  # mean probability the endpoint left outside its top k
+    threshold: float = FAITHFUL_KL
+
+    @property
+    def faithful(self) -> bool:
+        return self.kl.mean_kl <= self.threshold
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {**self.kl.as_dict(), **{k: v for k, v in d.items() if k != "kl"}, "faithful": self.faithful,
+                "estimator": f"top-{self.top_k} + tail bucket (a lower bound on the exact KL)"}
+
+    def lines(self) -> list[str]:
+        verdict = (f"faithful: mean KL {self.kl.mean_kl:.2e} <= {self.threshold:g}" if self.faithful else
+                   f"FLAGGED: mean KL {self.kl.mean_kl:.2e} > {self.threshold:g}: the endpoint does not serve "
+                   "this model faithfully")
+        return [
+            *self.kl.lines(),
+            f"  endpoint {self.endpoint}: model {self.served_model!r}, system_fingerprint {self.system_fingerprint}",
+            f"  {self.method}, top-{self.top_k} logprobs + tail bucket (a lower bound on the exact KL); "
+            f"candidate tail mass {self.candidate_tail_mass:.4f}; tokenizer checked by {self.tokenizer_check}",
+            f"  {self.seconds:.1f} s",
+            f"  {verdict}",
+        ]
+
+
+def check_tokenizer(endpoint: Endpoint, tokenizer: Any, text: str) -> str:
+    """Refuse an endpoint whose tokenizer splits `text` differently; returns how it was checked."""
+    local = tokenizer.encode(text, add_special_tokens=False)
+    remote = endpoint.tokenize(text)
+    if remote is not None:
+        if remote != local:
+            i = next((j for j, (a, b) in enumerate(zip(local, remote, strict=False)) if a != b), min(len(local), len(remote)))
+            theirs = remote[i] if i < len(remote) else "end"
+            raise TwinferError(
+                f"the endpoint's tokenizer disagrees with the model's on the corpus at token {i} "
+                f"(local {local[i] if i < len(local) else 'end'}, endpoint {theirs}; {len(local)} vs {len(remote)} "
+                "tokens): KL is only meaningful on the same tokens; serve the same model there")
+        return "/tokenize"
+    probe = text[:2000]
+    out = endpoint._call(endpoint.client.completions.create, model=endpoint.model, prompt=probe, max_tokens=1,
+                         temperature=0.0)
+    expect = len(tokenizer.encode(probe, add_special_tokens=True))
+    got = getattr(getattr(out, "usage", None), "prompt_tokens", None)
+    if got != expect:
+        raise TwinferError(f"the endpoint counts {got} prompt tokens in a corpus sample the model splits into "
+                           f"{expect}: its tokenizer differs; serve the same model there")
+    return "prompt token count"
+
+
+def endpoint_rows(endpoint: Endpoint, tokens: list[int], k: int, pieces: PieceIndex) -> tuple[list[TopRow], str]:
+    """The endpoint's top-k rows after each prefix tokens[:i+1], i < len(tokens) - 1, and the method used."""
+    if endpoint.echo is not False:
+        tops = endpoint.prompt_logprobs(tokens, k)
+        if tops is not None:
+            return [pieces.row(t) for t in tops[1 : len(tokens)]], "echo"
+    rows: list[TopRow] = []
+    for i in range(len(tokens) - 1):
+        out = endpoint.complete(tokens[: i + 1], k)
+        lp = getattr(out.choices[0], "logprobs", None)
+        tops = getattr(lp, "top_logprobs", None) if lp is not None else None
+        if not tops or tops[0] is None:
+            raise TwinferError(f"{endpoint.url} returned no logprobs for a completion; eval kl needs an endpoint "
+                               "that returns top logprobs (the completions API's `logprobs`)")
+        rows.append(pieces.row(tops[0]))
+    return rows, "token-by-token"
+
+
+def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, tokens: int, window: int = 256, *,
+                      runners: RunnerFactory, top_k: int = 20, api_key_env: str = "OPENAI_API_KEY",
+                      retries: int = 4, threshold: float = FAITHFUL_KL) -> RemoteKLReport:
+    """KL(reference || endpoint) over `tokens` corpus tokens, estimated from the endpoint's top-k logprobs."""
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    if not 1 <= top_k <= 20:
+        raise TwinferError(f"--top-k must be in [1, 20] (OpenAI's limit on logprobs), got {top_k}")
+    start = time.perf_counter()
+    endpoint = Endpoint(url, api_key_env, retries)
+    tokenizer = load_tokenizer(resolve_path(model))
+    windows = list(corpus_windows(model, corpus, tokens, window))
+    how = check_tokenizer(endpoint, tokenizer, _corpus_sample(corpus, tokens))
+    pieces = PieceIndex(tokenizer)
+    ref = open_source(reference, model, window, runners)
+    kls, agrees, tails, method = [], [], [], ""
+    for w in windows:
+        if len(w) < 2:
+            continue
+        rows, method = endpoint_rows(endpoint, w, top_k, pieces)
+        kl, agree, tail = topk_kl_rows(ref.logits(w)[:-1], rows)
+        kls.append(kl), agrees.append(agree), tails.append(tail)
+    report = _kl_report(reference, url, str(corpus), kls, agrees)
+    return RemoteKLReport(report, url, endpoint.model, endpoint.system_fingerprint, time.perf_counter() - start,
+                          method, top_k, how, float(np.concatenate(tails).mean()), threshold)
+
+
+def _corpus_sample(corpus: str, tokens: int) -> str:
+    return corpus_text(corpus, max_chars=tokens * 12 + 10_000)[: tokens * 8]
+
+
+def _kl_report(reference: str, candidate: str, corpus: str, kls: Sequence[np.ndarray],
+               agrees: Sequence[np.ndarray]) -> KLReport:
+    if not kls:
+        raise TwinferError("no tokens were scored")
+    kl, agree = np.concatenate(kls), np.concatenate(agrees)
+    return KLReport(reference=reference, candidate=candidate, corpus=corpus, mean_kl=float(kl.mean()),
+                    median_kl=float(np.median(kl)), p99_kl=float(np.percentile(kl, 99)), max_kl=float(kl.max()),
+                    top1_agreement=float(agree.mean()), tokens=int(kl.size))
