@@ -23,7 +23,8 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               drain_timeout: float, max_body_mb: float, log_level: str, loop_guard: bool = True,
               guard_retries: int = 0, speculate: str = "off",
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
-              batch_invariant: bool = False, kv_events: str | None = None) -> None:
+              batch_invariant: bool = False, kv_events: str | None = None, replica_name: str | None = None,
+              kv_connector: tuple[str | None, str] = (None, "127.0.0.1")) -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
@@ -63,7 +64,11 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             session = open_session(options)
             if session.strategy is not None:  # --memory-budget: the planner's local strategy, summarized on stderr
                 print(f"twinfer: {session.strategy.summary()}", file=sys.stderr)
-            opened, engine = session.opened, session.engine()
+            opened, engine = session.opened, session.engine(replica=replica_name)
+            if kv_connector[0]:  # prefill/decode disaggregation (runtime/kv/connector.py)
+                from twinfer.app.pd import attach_kv_connector
+
+                attach_kv_connector(engine, kv_connector[0], kv_connector[1])
             if kv_events:  # vLLM-format KV events for KV-aware routers (runtime/kv/events.py)
                 from twinfer.runtime.kv.events import ZmqKVEventPublisher
 

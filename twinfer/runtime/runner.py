@@ -23,6 +23,8 @@ import numpy as np
 
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.kv.block_manager import BlockManager
+from twinfer.runtime.kv.connector import KVPort
+from twinfer.runtime.kv.traffic import StepBytes, StepTraffic
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.spec import ModelSpec
 
@@ -116,6 +118,8 @@ class Runner(ABC):
     spec: ModelSpec
     kv: KVLayout
     backend: str  # "torch", "mlx", "llamacpp"
+    traffic: StepTraffic | None = None  # how its steps move bytes (the request bill); None: unknown
+    kv_port: KVPort | None = None  # how its KV leaves and enters for another replica (kv/connector.py)
 
     @abstractmethod
     def step(self, batch: StepBatch) -> np.ndarray:
@@ -123,6 +127,10 @@ class Runner(ABC):
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget a finished or preempted sequence's KV (paged runners: nothing to do)."""
+
+    def step_bytes(self, batch: StepBatch) -> StepBytes | None:
+        """Bytes `batch` moves (weights, experts, KV per chunk), from `traffic`; None when unknown."""
+        return self.traffic.step(batch) if self.traffic is not None else None
 
     def exact_shapes(self) -> ExactShapes | None:
         """The step shapes that keep this runner batch-invariant; None when every shape does."""

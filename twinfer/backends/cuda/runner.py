@@ -9,7 +9,9 @@ import torch
 
 from twinfer.backends.cuda.formats import convert_weight, native_weight_format
 from twinfer.backends.cuda.graphs import TorchRunner
+from twinfer.backends.cuda.kv_port import TorchKVPort
 from twinfer.backends.cuda.ops import TorchOps
+from twinfer.runtime.kv.traffic import StepTraffic
 from twinfer.runtime.runner import KVLayout
 from twinfer.runtime.spec import ModelSpec
 
@@ -66,7 +68,48 @@ def build_torch_runner(
         if name == "lm_head" and spec.tie_word_embeddings:
             continue  # tied: the model reads `embed`; keep one copy on the device
         converted[name] = convert_weight(name, ops.weight(name, weights[name]), fmt)
-    return TorchRunner(spec, ops, converted, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
+    runner = TorchRunner(spec, ops, converted, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
+    runner.kv_port = TorchKVPort(ops)
+    runner.traffic = torch_traffic(spec, converted, ops, (kv.num_blocks + int(padded_steps)) * block_size)
+    return runner
+
+
+def _nbytes(value: Any) -> int:
+    """Device bytes of a weight: a tensor, or a packed format's tensors (QuantizedWeight and friends)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.nbytes)
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if hasattr(value, "__dict__"):
+        return sum(_nbytes(v) for v in vars(value).values())
+    return 0
+
+
+def torch_traffic(spec: ModelSpec, weights: Mapping[str, Any], ops: TorchOps, slots: int) -> StepTraffic:
+    """What a step reads and writes: every resident weight (an untied embedding table only by its rows,
+    so not counted), routed experts by the share a step touches, and the KV cache's bytes per slot
+    (`slots`: the cache's positions)."""
+    dense = experts = 0
+    expert_layers: set[str] = set()
+    for name, value in weights.items():
+        size = _nbytes(value)
+        if name == "embed" and not spec.tie_word_embeddings:
+            continue
+        if "expert" in name and "shared" not in name and spec.moe is not None:
+            experts += size
+            expert_layers.add(name.split(".")[1] if name.startswith("layers.") else name)
+        else:
+            dense += size
+    tq = [int(c.nbytes) for c in ops.kv_quant] or [0] * spec.num_layers  # TurboQuant codes, when coded
+    layer = tuple((int(k.nbytes) + int(v.nbytes) + q) / slots
+                  for k, v, q in zip(ops.k_cache, ops.v_cache, tq, strict=True))
+    moe = spec.moe
+    n_moe = len(expert_layers)
+    per_expert = experts / (moe.num_experts * n_moe) if moe is not None and n_moe else 0.0
+    return StepTraffic(float(dense), layer, tuple(spec.window(i) for i in range(spec.num_layers)), per_expert,
+                       moe.num_experts if moe is not None and n_moe else 0, moe.top_k if moe is not None else 0, n_moe)
 
 
 def open_torch_runner(loaded: LoadedModel, *, kv_tokens: int, threads: int | None = None, dtype: str | None = None,

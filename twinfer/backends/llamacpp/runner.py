@@ -9,6 +9,7 @@ serving: a sequence's cells then lie exactly where they would if it ran alone).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -19,12 +20,14 @@ import numpy as np
 
 from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
 from twinfer.backends.llamacpp._lib import MemoryOps, load_llama_cpp, set_quiet, versions
+from twinfer.backends.llamacpp.kv_port import LlamaCppKVPort
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
 from twinfer.backends.llamacpp.slots import SlotKVSync
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.cpu import default_threads
 from twinfer.runtime.errors import ModelError
 from twinfer.runtime.kv.block_manager import BlockManager
+from twinfer.runtime.kv.traffic import StepTraffic, kv_layer_bytes
 from twinfer.runtime.runner import ExactShapes, KVLayout, KVSync, Runner
 from twinfer.runtime.spec import ModelSpec
 
@@ -32,6 +35,8 @@ from twinfer.runtime.spec import ModelSpec
 BLOCK_SIZE = 16
 # KV-cache element types (ggml_type ids) the runner accepts; the planner names formats the same way.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+# Bytes per KV element of each cache type (q8_0/q4_0: 32-element blocks of 34 and 18 bytes).
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q4_0": 18 / 32, "q8_0": 34 / 32, "bf16": 2.0}
 # Exact steps hold at most this many one-token rows: 8+ take another matmul path (see LlamaCppRunner).
 EXACT_DECODE_ROWS = 7
 _PAD_SEQ = -1  # the runner's own sequence that pads a lone row in exact steps
@@ -195,6 +200,8 @@ class LlamaCppRunner(Runner):
         )
         self._slots: dict[int, int] = {}  # engine seq id -> llama seq id
         self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest id
+        self.traffic = self._traffic()
+        self.kv_port = LlamaCppKVPort(self)
 
     # -- Runner ------------------------------------------------------------------------------------
     def step(self, batch: StepBatch) -> np.ndarray:
@@ -268,6 +275,41 @@ class LlamaCppRunner(Runner):
         self._mem.seq_rm(dst, -1, -1)
         if num_tokens:
             self._mem.seq_cp(src, dst, 0, num_tokens)
+
+    def save_seq_state(self, seq_id: int) -> bytes:
+        """The sequence's KV cells as llama.cpp serializes them (`llama_state_seq_get_data`)."""
+        self._check_open()
+        slot = self._slots.get(seq_id)
+        if slot is None:
+            raise ValueError(f"save_seq_state: sequence {seq_id} has no KV in this runner")
+        size = int(self._lib.llama_state_seq_get_size(self._ctx, slot))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(self._lib.llama_state_seq_get_data(self._ctx, buf, size, slot))
+        return bytes(buf)[:written]
+
+    def load_seq_state(self, seq_id: int, data: bytes) -> int:
+        """Make the sequence hold the cells `save_seq_state` wrote (`llama_state_seq_set_data`);
+        returns the positions it now holds. Raises ValueError when llama.cpp refuses the data."""
+        self._check_open()
+        slot = self._slot_for(seq_id)
+        self._mem.seq_rm(slot, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(self._lib.llama_state_seq_set_data(self._ctx, buf, len(data), slot)) == 0:
+            self.release(seq_id)
+            raise ValueError(f"llama.cpp refused the KV state for sequence {seq_id} (no room, or another model's)")
+        return self._length(seq_id)
+
+    def _traffic(self) -> StepTraffic:
+        """Every weight tensor is read by a step (an untied embedding only by its rows); KV in `kv_type`."""
+        weights = float(self._lib.llama_model_size(self._model))
+        if not self.spec.tie_word_embeddings:
+            from twinfer.runtime.loaders.gguf_reader import GGUFContents
+
+            embd = GGUFContents(self.path).tensors.get("token_embd.weight")
+            weights -= embd.nbytes if embd is not None else 0
+        # swa_full keeps every cell, but a sliding layer's query still reads only its window
+        windows = tuple(self.spec.window(i) for i in range(self.spec.num_layers))
+        return StepTraffic(weights, kv_layer_bytes(self.spec, KV_TYPE_BYTES[self.kv_type]), windows)
 
     def num_stored(self, seq_id: int) -> int:
         """Positions of the sequence held in the KV cache (0 for unknown sequences)."""

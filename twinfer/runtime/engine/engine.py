@@ -23,6 +23,7 @@ import numpy as np
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.constraints.compile import Grammars
 from twinfer.runtime.constraints.mask import guide_for
+from twinfer.runtime.engine.bill import charge_request, charge_step
 from twinfer.runtime.engine.guard import LoopGuard
 from twinfer.runtime.engine.metrics import EngineMetrics
 from twinfer.runtime.engine.params import SamplingParams
@@ -31,6 +32,7 @@ from twinfer.runtime.engine.sampler import Sampled, draft_rows, sample, with_log
 from twinfer.runtime.engine.scheduler import Schedule, Scheduled, Scheduler, SchedulerConfig
 from twinfer.runtime.errors import RequestError
 from twinfer.runtime.kv.block_manager import BlockManager
+from twinfer.runtime.kv.connector import KVConnector, KVTransferParams
 from twinfer.runtime.runner import Runner
 from twinfer.runtime.speculative.proposer import Draft, Proposer
 from twinfer.runtime.speculative.speculator import SpecConfig, Speculator
@@ -47,6 +49,7 @@ class EngineConfig:
     batch_invariant: bool = False  # exact batching on runners that declare ExactShapes (runtime/runner.py)
     keep_finished: int = 64  # finished requests left in `Engine.requests` for callers; older ones go
     spec: SpecConfig = field(default_factory=SpecConfig)  # used when the engine gets a proposer
+    replica: str | None = None  # this replica's name in a cluster (the bill's route)
 
 
 class Engine:
@@ -85,6 +88,7 @@ class Engine:
         self._request_ids = itertools.count()
         self.eos_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
         self.grammars = Grammars(tokenizer, runner.spec.vocab_size)  # structured output (runtime/constraints)
+        self.connector: KVConnector | None = None  # KV hand-over between replicas (attach_connector)
 
     # -- public API --------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -109,7 +113,12 @@ class Engine:
             new_decoder = partial(StreamDecoder, self.tokenizer, True, tokens[-4:])
         guide = guide_for(self.grammars, params.constraint)
         request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder, guide)
+        transfer = KVTransferParams.parse(params.kv_transfer_params)
+        if transfer is not None and self.connector is None:
+            raise RequestError("kv_transfer_params needs a replica started with a KV connector (--kv-connector)")
         self.requests[request_id] = request
+        if transfer is not None and self.connector is not None:
+            self.connector.add_request(request, transfer)
         self.scheduler.add(request)
         self.metrics.on_arrival()
         return request_id
@@ -128,6 +137,11 @@ class Engine:
             self.abort(request_id)
         self.kv_sync.close()
 
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Hand prompts' KV to and take it from other replicas (runtime/kv/connector.py)."""
+        self.connector = connector
+        self.scheduler.external = lambda r: connector.get_num_new_matched_tokens(r, r.num_computed)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -136,12 +150,15 @@ class Engine:
         """Run one engine step; returns the deltas of every request that produced output."""
         schedule = self.scheduler.schedule()
         self._begin_kv(schedule)
+        loaded = self._load_external(schedule) if self.connector is not None else []
         if not schedule.items:
-            return []
+            if not loaded and self.connector is not None:
+                self.connector.idle_wait()  # every waiting request's KV is still on its way
+            return loaded
         drafts = self.speculator.propose(schedule.items) if self.speculator else {}
         batch = self._batch(schedule.items, drafts)
         logits = self._forward(batch, schedule.items, drafts)
-        return self._sample_and_finish(schedule.items, batch, drafts, logits)
+        return loaded + self._sample_and_finish(schedule.items, batch, drafts, logits)
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | None = None
                  ) -> list[RequestOutput]:
@@ -157,18 +174,48 @@ class Engine:
         return [self.full_output(r, results.get(r.request_id)) for r in requests]
 
     def full_output(self, request: Request, last: RequestOutput | None = None) -> RequestOutput:
-        return RequestOutput(
+        out = RequestOutput(
             request.request_id, request.text, list(request.output), request.finished,
             request.finish_reason, list(request.logprobs) if request.params.logprobs is not None else None,
             len(request.prompt), len(request.output), request.cached_tokens,
-            request.timings.as_dict(len(request.output)),
+            request.timings.as_dict(len(request.output)), self.cost(request) if request.finished else None,
         )
+        out.kv_transfer_params = request.kv_transfer_params
+        return out
 
     # -- step internals ----------------------------------------------------------------------------
     def _begin_kv(self, schedule: Schedule) -> None:
         """Tell the runner's KV storage who was preempted and who starts from a cached prefix."""
         admitted = [(s.request.seq_id, s.prefix_blocks) for s in schedule.items if s.admitted]
         self.kv_sync.begin_step([r.seq_id for r in schedule.preempted], admitted)
+
+    def _load_external(self, schedule: Schedule) -> list[RequestOutput]:
+        """Load the KV a connector fetched for admitted requests, then emit the token the remote prefill
+        sampled; a request whose KV will not load goes back to recompute its prompt."""
+        assert self.connector is not None
+        items = [s for s in schedule.items if s.external]
+        if not items:
+            return []
+        schedule.items = [s for s in schedule.items if not s.external]
+        for s in items:
+            self.connector.update_state_after_alloc(s.request, self.blocks.table(s.request.seq_id), s.external)
+        outputs: list[RequestOutput | None] = []
+
+        def loaded(request: Request, tokens: int, nbytes: float, seconds: float) -> None:
+            self._computed(request, tokens)
+            request.cached_tokens = request.bill.cached_remote = tokens
+            request.bill.kv_transferred += nbytes
+            request.bill.kv_transfer_s += seconds
+            first = KVTransferParams.parse(request.params.kv_transfer_params)
+            outputs.append(self._emit(request, [Sampled(t) for t in first.first_token_ids] if first else []))
+
+        for request in self.connector.start_load_kv(loaded):
+            self.scheduler.remove(request)
+            self.kv_sync.dropped(request.seq_id)
+            request.num_computed = 0
+            request.status = Status.WAITING
+            self.scheduler.add(request)
+        return [out for out in outputs if out is not None]
 
     def _batch(self, items: list[Scheduled], drafts: dict[int, Draft]) -> StepBatch:
         return StepBatch([self._chunk(s, drafts.get(s.request.seq_id)) for s in items], exact=self.exact is not None)
@@ -191,7 +238,17 @@ class Engine:
         self.metrics.on_step(batch.num_tokens, seconds)
         if self.speculator is not None:
             self.speculator.on_step(seconds, items, drafts)
+        self._charge(batch, items, drafts, seconds)
         return logits
+
+    def _charge(self, batch: StepBatch, items: list[Scheduled], drafts: dict[int, Draft], seconds: float) -> None:
+        """Put the step on its requests' bills: bytes from the runner's accounting, prompt work, verify time."""
+        for s in items:
+            r = s.request
+            charge_request(r.bill, len(r.prompt), r.num_computed, s.num_tokens, r.seq_id in drafts, seconds)
+        step = self.runner.step_bytes(batch)
+        if step is not None:
+            charge_step([s.request.bill for s in items], [len(c.tokens) for c in batch.chunks], step)
 
     def _sample_and_finish(self, items: list[Scheduled], batch: StepBatch, drafts: dict[int, Draft],
                            logits: np.ndarray) -> list[RequestOutput]:
@@ -219,6 +276,8 @@ class Engine:
         the rejected tail is overwritten from `num_computed` on (the runner drops it there)."""
         assert self.speculator is not None
         tokens = self.speculator.accept(request, draft, draft_rows(rows, request.row, draft.tokens))
+        request.bill.spec_proposed += len(draft.tokens)
+        request.bill.spec_accepted += len(tokens) - 1
         if request.row.guide is not None:
             request.row.guide.advance(tokens)
         self._computed(request, len(tokens), tokens[:-1])
@@ -296,7 +355,19 @@ class Engine:
                             len(request.prompt), len(request.output), request.cached_tokens)
         if final:
             out.metrics = request.timings.as_dict(len(request.output))
+            out.cost = self.cost(request)
+            out.kv_transfer_params = request.kv_transfer_params
         return out
+
+    def cost(self, request: Request) -> dict[str, Any]:
+        """The request's bill (engine/bill.py) as a response's `cost` object."""
+        t = request.timings
+        bill = request.bill
+        bill.cached_device = request.cached_tokens - bill.cached_remote
+        cost = bill.as_dict(t.arrival, t.scheduled, t.first_token, t.finished or time.perf_counter(),
+                            len(request.prompt), len(request.output))
+        cost["route"] = {"replica": self.config.replica, "overlap_tokens": bill.cached_device, **bill.extra}
+        return cost
 
     def _retry(self, request: Request) -> RequestOutput | None:
         request.retries += 1
@@ -320,6 +391,8 @@ class Engine:
         request.finish_reason = reason
         request.timings.finished = time.perf_counter()
         table = list(self.blocks.seqs[request.seq_id].table) if request.seq_id in self.blocks.seqs else []
+        if self.connector is not None:
+            _, request.kv_transfer_params = self.connector.request_finished(request, table)
         self.scheduler.remove(request)
         if self.speculator is not None:
             self.speculator.release(request.seq_id)

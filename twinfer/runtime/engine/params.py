@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.errors import RequestError
@@ -54,6 +55,8 @@ class SamplingParams:
     guard: GuardConfig = field(default_factory=GuardConfig)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); -100 bans it
     constraint: Constraint | None = None  # a grammar the output must match (runtime/constraints)
+    # KV hand-over between replicas (runtime/kv/connector.py); vLLM carries it in its sampling params too
+    kv_transfer_params: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         checks = [

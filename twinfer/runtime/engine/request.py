@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from twinfer.runtime.constraints.mask import Guide
+from twinfer.runtime.engine.bill import Bill
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.sampler import RowState
 
@@ -43,6 +44,8 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, Any] | None = None  # the request's bill (engine/bill.py), on its final output
+    kv_transfer_params: dict[str, Any] | None = None  # what a KV connector hands the client (final output)
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Request:
         self.retries = 0
         self.preemptions = 0
         self.timings = Timings()
+        self.bill = Bill()
+        self.kv_transfer_params: dict[str, Any] | None = None  # set at finish by a KV connector
 
     @property
     def tokens(self) -> list[int]:

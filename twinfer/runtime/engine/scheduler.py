@@ -43,6 +43,7 @@ class Scheduled:
     admitted: bool = False  # first step of this request's (re)computation
     prefix_blocks: int = 0  # cached blocks it starts from (admitted requests only)
     draft_room: int = 0  # drafted tokens this decode may verify after its token (speculative decoding)
+    external: int = 0  # prompt tokens whose KV a KV connector loads this step (num_tokens is then 0)
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Scheduler:
         # prefix_ok(block_ids) -> how many of the matched blocks the runner can reuse (KVSync.reusable)
         self.prefix_ok = prefix_ok or len
         self.draft_k = draft_k  # draft_k(request) -> draft tokens its next decode would verify
+        # external(request) -> prompt tokens a KV connector supplies (None: still on their way; skip it)
+        self.external: Callable[[Request], int | None] | None = None
         self.preemptions = 0
         self._turn = 0  # rotation of decode rows in batch-invariant mode
 
@@ -197,20 +200,25 @@ class Scheduler:
         self.waiting.insert(0, request)
 
     def _admit(self, budget: int, out: Schedule) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
-            request = self.waiting[0]
+        skipped = 0  # waiting requests whose KV is still on its way from another replica
+        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.config.max_seqs:
+            request = self.waiting[skipped]
             tokens = request.tokens
-            prefix = self.blocks.match_prefix(tokens)
+            external = self.external(request) if self.external is not None else 0
+            if external is None:
+                skipped += 1
+                continue
+            prefix = [] if external else self.blocks.match_prefix(tokens)
             prefix = prefix[: self.prefix_ok(prefix)]
             request.num_computed = len(prefix) * self.blocks.block_size
-            n = min(len(tokens) - request.num_computed, budget, self.config.max_prefill_chunk)
+            n = 0 if external else min(len(tokens) - request.num_computed, budget, self.config.max_prefill_chunk)
             try:
-                self.blocks.allocate(request.seq_id, prefix, request.num_computed + n, tokens)
+                self.blocks.allocate(request.seq_id, prefix, request.num_computed + max(n, external), tokens)
             except OutOfBlocks:
                 request.num_computed = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(skipped)
             self._start(request)
-            out.items.append(Scheduled(request, n, admitted=True, prefix_blocks=len(prefix)))
-            budget -= n
+            out.items.append(Scheduled(request, n, admitted=True, prefix_blocks=len(prefix), external=external))
+            budget -= max(n, 1)
         return budget

@@ -219,7 +219,8 @@ def message_body(f: Follower, content: list[dict[str, Any]], stops: list[str]) -
     return {"id": f.request_id, "type": "message", "role": "assistant", "model": f.model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens,
-                      "cache_read_input_tokens": f.cached_tokens, "cache_creation_input_tokens": 0}}
+                      "cache_read_input_tokens": f.cached_tokens, "cache_creation_input_tokens": 0,
+                      **({"cost": f.cost} if f.cost is not None else {})}}
 
 
 class _BlockStream:
@@ -279,7 +280,8 @@ async def _events(request: Request, choices: list[Choice], f: Follower, stops: l
                 yield event
             reason, sequence = _stop(f, stops)
             yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                       "usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens}},
+                       "usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens,
+                                 **({"cost": f.cost} if f.cost is not None else {})}},
                       "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
         except EngineDead as e:

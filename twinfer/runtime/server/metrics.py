@@ -18,6 +18,9 @@ from twinfer.runtime.engine.async_engine import AsyncEngine, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_COST_PHASES = ("queue", "prefill", "decode", "kv_transfer", "spec_verify")  # vLLM: request_queue_time_seconds...
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+_BYTE_BUCKETS = tuple(float(4**i) * 1024 for i in range(16))  # 1 KiB .. 1 TiB
 _TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -125,6 +128,12 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.latency = Histogram("twinfer_request_latency_seconds", "request arrival to last token",
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.cost_time = {phase: Histogram(f"twinfer_request_{phase}_time_seconds", f"per-request {phase} time (the bill)",
+                                           buckets=_LATENCY_BUCKETS, registry=r) for phase in _COST_PHASES}
+        self.cost_tokens = Histogram("twinfer_request_cost_tokens", "per-request tokens of the bill, by kind",
+                                     ["kind"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.cost_bytes = Histogram("twinfer_request_cost_bytes", "per-request bytes moved (the bill), by kind",
+                                    ["kind"], buckets=_BYTE_BUCKETS, registry=r)
         r.register(_EngineCollector(engine))
 
     def record_http(self, route: str, status: int) -> None:
@@ -145,6 +154,18 @@ class ServerMetrics:
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
         self.latency.observe(latency_s)
+
+    def record_cost(self, cost: dict[str, Any]) -> None:
+        """A finished request's bill (engine/bill.py) into the histograms."""
+        for phase, hist in self.cost_time.items():
+            hist.observe(cost["time_ms"].get(phase, 0.0) / 1000.0)
+        tokens = dict(cost["tokens"])
+        for tier, n in tokens.pop("cached").items():
+            self.cost_tokens.labels(f"cached_{tier}").observe(n)
+        for kind, n in tokens.items():
+            self.cost_tokens.labels(kind).observe(n)
+        for kind, n in cost["bytes"].items():
+            self.cost_bytes.labels(kind).observe(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

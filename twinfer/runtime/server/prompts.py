@@ -118,7 +118,7 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
             frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed % 2**64,
             stop=tuple(stop), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs, guard=guard, logit_bias=logit_bias(req.logit_bias, vocab_size),
-            constraint=constraint,
+            constraint=constraint, kv_transfer_params=getattr(req, "kv_transfer_params", None),
         )
     except RequestError as e:
         raise APIError(400, str(e)) from e

@@ -182,7 +182,8 @@ def response_body(f: Follower, body: ResponsesRequest, output: list[dict[str, An
         "usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens,
                   "total_tokens": f.prompt_tokens + f.completion_tokens,
                   "input_tokens_details": {"cached_tokens": f.cached_tokens},
-                  "output_tokens_details": {"reasoning_tokens": 0}} if done else None,
+                  "output_tokens_details": {"reasoning_tokens": 0},
+                  **({"cost": f.cost} if f.cost is not None else {})} if done else None,
     }
 
 

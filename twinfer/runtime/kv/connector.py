@@ -1,0 +1,388 @@
+"""KV hand-over between replicas (prefill/decode disaggregation), modeled on vLLM's KV connector.
+
+vLLM splits a connector (vllm/distributed/kv_transfer/kv_connector/v1/base.py) into a scheduler
+side and a worker side; `KVConnector` keeps that split and those names:
+
+- scheduler side, called by the engine's scheduler and engine on their one thread:
+  `get_num_new_matched_tokens(request, num_computed)` -> how many prompt tokens the connector
+  will supply (None while their KV is still on its way), `update_state_after_alloc(request,
+  block_ids, num_external_tokens)` once blocks hold room for them, `request_finished(request,
+  block_ids)` -> (delay_free, kv_transfer_params) when a request that hands its KV on ends;
+- worker side, over the runner's `KVPort`: `start_load_kv()` writes every pending request's KV
+  into the runner, `wait_for_layer_load(layer)`, `save_kv_layer(layer, ...)`, `wait_for_save()`.
+
+The flow is vLLM's: the proxy sends the prompt to a prefill replica with
+`kv_transfer_params={"do_remote_decode": true}` and max_tokens 1; that replica computes the prompt,
+copies its KV out of the cache at finish (so its blocks are freed at once: `delay_free` is False)
+and answers with `kv_transfer_params` naming where the KV waits (host, port, transfer id) and the
+token it sampled. The proxy sends the same request with those params to a decode replica, which
+fetches the KV in the background while the request waits, loads it into fresh blocks, emits the
+prefill's first token and continues decoding. A fetch that fails or outlives `timeout_s` makes
+the request recompute its prompt (the bill says why); KV nobody fetches expires after `ttl_s`.
+
+Transports: `TcpTransport` (a length-prefixed TCP exchange; loopback between local processes or
+across hosts) everywhere, and NIXL where the `nixl` package is installed (`make_transport`).
+Nothing here touches a device: runners move their bytes through `KVPort`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from twinfer.runtime.errors import RequestError
+
+_LEN = struct.Struct("<Q")
+MAX_PAYLOAD = 1 << 36  # 64 GiB: a sanity bound on the length prefix, not a policy
+
+
+class KVPort(Protocol):
+    """How one runner's KV leaves and enters its cache, layer by layer (the worker side's device half).
+
+    Called from the engine's thread between steps. `table` is the sequence's block table and
+    `num_tokens` the positions to move, from position 0. A runner that serializes a sequence whole
+    (llama.cpp's sequence state) has one layer.
+    """
+
+    format: str  # what the bytes are: a runner and model fingerprint both ends must share
+
+    def num_layers(self) -> int: ...
+
+    def save_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int) -> bytes: ...
+
+    def load_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int, data: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """vLLM's `kv_transfer_params` request/response field, as twinfer reads and writes it."""
+
+    do_remote_decode: bool = False  # to a prefill replica: compute the prompt, keep its KV for a decoder
+    do_remote_prefill: bool = False  # to a decode replica: the prompt's KV waits at remote_host:remote_port
+    remote_host: str | None = None
+    remote_port: int | None = None
+    transfer_id: str | None = None
+    num_tokens: int = 0
+    first_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any] | None) -> KVTransferParams | None:
+        """From a request body's field; RequestError naming the bad key."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise RequestError("kv_transfer_params must be an object")
+        try:
+            p = cls(bool(raw.get("do_remote_decode", False)), bool(raw.get("do_remote_prefill", False)),
+                    raw.get("remote_host"), None if raw.get("remote_port") is None else int(raw["remote_port"]),
+                    raw.get("transfer_id"), int(raw.get("num_tokens", 0)),
+                    tuple(int(t) for t in raw.get("first_token_ids", ()) or ()))
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"kv_transfer_params has a malformed value: {e}") from e
+        if p.do_remote_prefill and not (p.remote_host and p.remote_port and p.transfer_id):
+            raise RequestError("kv_transfer_params with do_remote_prefill needs remote_host, remote_port and transfer_id")
+        if p.do_remote_prefill and not p.first_token_ids:
+            raise RequestError("kv_transfer_params with do_remote_prefill needs first_token_ids (the prefill's token)")
+        return p
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"do_remote_decode": self.do_remote_decode, "do_remote_prefill": self.do_remote_prefill,
+                "remote_host": self.remote_host, "remote_port": self.remote_port, "transfer_id": self.transfer_id,
+                "num_tokens": self.num_tokens, "first_token_ids": list(self.first_token_ids)}
+
+
+@dataclass
+class KVPayload:
+    """One sequence's KV in transit: a header (format, positions, layer sizes) and the layers' bytes."""
+
+    format: str
+    num_tokens: int
+    layers: list[bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.layers)
+
+    def encode(self) -> bytes:
+        head = json.dumps({"format": self.format, "num_tokens": self.num_tokens,
+                           "layers": [len(b) for b in self.layers]}).encode()
+        return _LEN.pack(len(head)) + head + b"".join(self.layers)
+
+    @classmethod
+    def decode(cls, data: bytes) -> KVPayload:
+        (n,) = _LEN.unpack_from(data)
+        head = json.loads(data[_LEN.size : _LEN.size + n])
+        if "error" in head:
+            raise KeyError(head["error"])
+        layers, at = [], _LEN.size + n
+        for size in head["layers"]:
+            layers.append(data[at : at + size])
+            at += size
+        if at != len(data):
+            raise ValueError(f"KV payload is {len(data)} bytes, its header describes {at}")
+        return cls(head["format"], int(head["num_tokens"]), layers)
+
+
+class KVStore:
+    """Payloads kept for a decoder to fetch, each until fetched or `ttl_s` old. Thread-safe."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._items: dict[str, tuple[float, bytes]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._expire()
+            self._items[key] = (time.monotonic(), data)
+
+    def take(self, key: str) -> bytes | None:
+        with self._lock:
+            self._expire()
+            item = self._items.pop(key, None)
+        return None if item is None else item[1]
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._items)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (t, _) in self._items.items() if now - t > self.ttl_s]:
+            del self._items[key]
+
+
+class TcpTransport:
+    """Serves a `KVStore` over TCP and fetches from other replicas' stores.
+
+    Wire: the client sends a length-prefixed transfer id; the server answers with one length-prefixed
+    encoded `KVPayload` (or a header with an "error"). The listening port is the OS's choice unless
+    given, so two replicas in one process never collide.
+    """
+
+    name = "tcp"
+
+    def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None):
+        self.store = store
+        self._sock = socket.create_server((host, port))
+        self.host = advertise or host
+        self.port = int(self._sock.getsockname()[1])
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="twinfer-kv-tcp", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(30.0)
+                key = _recv_exact(conn, _recv_len(conn, 4096)).decode()
+                data = self.store.take(key)
+                if data is None:
+                    head = json.dumps({"error": f"no KV for transfer {key!r} (never stored, fetched, or expired)"})
+                    data = _LEN.pack(len(head)) + head.encode()
+                conn.sendall(_LEN.pack(len(data)) + data)
+            except (OSError, ValueError, UnicodeDecodeError):
+                return
+
+    def fetch(self, host: str, port: int, key: str, timeout_s: float) -> bytes:
+        """The payload stored under `key` at host:port; OSError/TimeoutError/KeyError when it cannot be had."""
+        deadline = time.monotonic() + timeout_s
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            raw = key.encode()
+            conn.sendall(_LEN.pack(len(raw)) + raw)
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            return _recv_exact(conn, _recv_len(conn, MAX_PAYLOAD), deadline)
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+
+
+def _recv_len(conn: socket.socket, limit: int) -> int:
+    (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+    if n > limit:
+        raise ValueError(f"length prefix {n} exceeds {limit}")
+    return int(n)
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the KV transfer ran out of time")
+            conn.settimeout(left)
+        chunk = conn.recv(min(1 << 20, n - len(buf)))
+        if not chunk:
+            raise ConnectionError(f"the KV peer closed the connection after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def make_transport(kind: str, store: KVStore, host: str = "127.0.0.1", port: int = 0) -> TcpTransport:
+    """The transport named `kind`: "tcp" everywhere; "nixl" needs the `nixl` package (GPU RDMA)."""
+    if kind == "tcp":
+        return TcpTransport(store, host, port)
+    if kind == "nixl":
+        import importlib.util
+
+        if importlib.util.find_spec("nixl") is None:
+            raise RequestError("the nixl KV transport needs the `nixl` package (pip install nixl); use tcp")
+        raise RequestError("nixl is installed, but twinfer hands KV over host memory only; use the tcp transport")
+    raise RequestError(f"unknown KV transport {kind!r}: choose tcp or nixl")
+
+
+@dataclass
+class _Fetch:
+    """A decode request's KV on its way (or arrived, or failed)."""
+
+    params: KVTransferParams
+    started: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    payload: KVPayload | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    table: list[int] | None = None  # blocks allocated for it (update_state_after_alloc)
+
+
+class KVConnector:
+    """One replica's connector: stores KV for decoders (prefill role) and fetches it (decode role).
+
+    `port` is the runner's KVPort; `timeout_s` bounds a fetch, after which the request recomputes.
+    """
+
+    def __init__(self, port: KVPort, transport: str = "tcp", host: str = "127.0.0.1", listen_port: int = 0,
+                 timeout_s: float = 10.0, ttl_s: float = 60.0):
+        self.port = port
+        self.timeout_s = timeout_s
+        self.store = KVStore(ttl_s)
+        self.transport = make_transport(transport, self.store, host, listen_port)
+        self._fetches: dict[str, _Fetch] = {}  # request id -> its fetch
+        self._pending_loads: list[tuple[Any, _Fetch]] = []
+        self.saved = self.loaded = self.failed = 0
+
+    # -- requests entering ---------------------------------------------------------------------------
+    def add_request(self, request: Any, params: KVTransferParams) -> None:
+        """A decode request arrived: start fetching its KV now, in the background."""
+        if not params.do_remote_prefill:
+            return
+        fetch = _Fetch(params)
+        self._fetches[request.request_id] = fetch
+        threading.Thread(target=self._fetch, args=(fetch, len(request.prompt)), daemon=True).start()
+
+    def _fetch(self, fetch: _Fetch, prompt_len: int) -> None:
+        p = fetch.params
+        assert p.remote_host is not None and p.remote_port is not None and p.transfer_id is not None
+        try:
+            payload = KVPayload.decode(self.transport.fetch(p.remote_host, p.remote_port, p.transfer_id,
+                                                            self.timeout_s))
+            if payload.format != self.port.format:
+                raise ValueError(f"the KV is in format {payload.format!r}, this replica runs {self.port.format!r}")
+            if payload.num_tokens != prompt_len:
+                raise ValueError(f"the KV holds {payload.num_tokens} positions, the prompt has {prompt_len} tokens")
+            fetch.payload = payload
+        except (OSError, ValueError, KeyError) as e:
+            fetch.error = f"{type(e).__name__}: {e}"
+        fetch.seconds = time.perf_counter() - fetch.started
+        fetch.done.set()
+
+    # -- scheduler side ------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Prompt tokens the connector supplies beyond `num_computed_tokens`: None while the KV is on its
+        way (the request waits), 0 when there is none (or it failed: the request recomputes)."""
+        fetch = self._fetches.get(request.request_id)
+        if fetch is None:
+            return 0
+        if not fetch.done.is_set():
+            return None
+        if fetch.payload is None or num_computed_tokens:
+            self._fetches.pop(request.request_id, None)
+            self.failed += fetch.payload is None
+            request.bill.kv_transfer_s += fetch.seconds
+            request.bill.extra["kv_fallback"] = fetch.error or "recomputed"
+            return 0
+        return fetch.payload.num_tokens
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks now hold room for the request's external tokens: load them at the next `start_load_kv`."""
+        fetch = self._fetches.pop(request.request_id)
+        fetch.table = list(block_ids)
+        self._pending_loads.append((request, fetch))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A request ends. For a prefill done for a remote decoder, copy its prompt's KV out (its blocks
+        may be freed at once: delay_free is False) and return where the decoder finds it."""
+        self._fetches.pop(request.request_id, None)
+        params = KVTransferParams.parse(request.params.kv_transfer_params)
+        done = request.finish_reason not in (None, "abort") and request.num_computed >= len(request.prompt)
+        if params is None or not params.do_remote_decode or not done or not request.output:
+            return False, None
+        n = len(request.prompt)
+        layers = [self.save_kv_layer(i, request.seq_id, block_ids, n) for i in range(self.port.num_layers())]
+        self.wait_for_save()
+        key = uuid.uuid4().hex
+        self.store.put(key, KVPayload(self.port.format, n, layers).encode())
+        self.saved += 1
+        out = KVTransferParams(do_remote_prefill=True, remote_host=self.transport.host, remote_port=self.transport.port,
+                               transfer_id=key, num_tokens=n, first_token_ids=tuple(request.output))
+        return False, out.as_dict()
+
+    # -- worker side ---------------------------------------------------------------------------------
+    def start_load_kv(self, on_loaded: Callable[[Any, int, float, float], None]) -> list[Any]:
+        """Write every pending request's KV into the runner. Calls `on_loaded(request, tokens, bytes,
+        seconds)` per success; returns the requests whose KV would not load (they recompute)."""
+        failed = []
+        pending, self._pending_loads = self._pending_loads, []
+        for request, fetch in pending:
+            payload = fetch.payload
+            assert payload is not None and fetch.table is not None
+            try:
+                for layer, data in enumerate(payload.layers):
+                    self.port.load_layer(layer, request.seq_id, fetch.table, payload.num_tokens, data)
+                    self.wait_for_layer_load(layer)
+            except ValueError as e:
+                request.bill.extra["kv_fallback"] = f"load failed: {e}"
+                self.failed += 1
+                failed.append(request)
+                continue
+            self.loaded += 1
+            on_loaded(request, payload.num_tokens, float(payload.nbytes), fetch.seconds)
+        return failed
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Loads are synchronous here: a layer is in the cache when `load_layer` returns."""
+
+    def save_kv_layer(self, layer: int, seq_id: int, block_ids: list[int], num_tokens: int) -> bytes:
+        return self.port.save_layer(layer, seq_id, block_ids, num_tokens)
+
+    def wait_for_save(self) -> None:
+        """Saves are synchronous copies out of the cache: nothing is in flight when they return."""
+
+    def waiting(self, request_id: str) -> bool:
+        return request_id in self._fetches
+
+    def idle_wait(self, timeout_s: float = 0.005) -> None:
+        """Block briefly for a fetch in flight (the engine has nothing else to compute)."""
+        pending = [f for f in self._fetches.values() if not f.done.is_set()]
+        if pending:
+            pending[0].done.wait(timeout_s)
+
+    def close(self) -> None:
+        self.transport.close()

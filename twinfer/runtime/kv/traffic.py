@@ -1,0 +1,73 @@
+"""Bytes a runner's step moves: resident weights touched, routed experts, KV read and written.
+
+A runner declares a `StepTraffic` from what it holds (weight bytes, KV bytes per position and
+layer); the engine asks it for every step's `StepBytes` and shares them out over the step's
+requests (engine/bill.py). Pure arithmetic: nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from twinfer.runtime.batch import StepBatch
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes one step moved: weights and experts for the whole step, KV per chunk (chunk order)."""
+
+    weights_read: float
+    experts_read: float
+    kv_read: tuple[float, ...]
+    kv_written: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """How a runner's steps move bytes, from what it holds resident.
+
+    `weight_bytes`: the resident weights every step touches (dense layers, norms, the output head;
+    an untied embedding table is left out, a step reads only its rows). `expert_bytes`: one routed
+    expert of one MoE layer; a step touches at most min(E, T * top_k) of each layer's E experts.
+    `kv_layer_bytes`: KV bytes one position costs in each layer; `windows`: each layer's sliding
+    window (None: full attention), which bounds the positions a query reads.
+    """
+
+    weight_bytes: float
+    kv_layer_bytes: tuple[float, ...]
+    windows: tuple[int | None, ...]
+    expert_bytes: float = 0.0
+    num_experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return float(sum(self.kv_layer_bytes))
+
+    def kv_read(self, end: int, new: int) -> float:
+        """KV bytes a chunk of `new` tokens ending at position `end` reads (each layer's context once)."""
+        total = 0.0
+        for per_pos, window in zip(self.kv_layer_bytes, self.windows, strict=True):
+            positions = end if window is None else min(end, window + new - 1)
+            total += per_pos * positions
+        return total
+
+    def step(self, batch: StepBatch) -> StepBytes:
+        tokens = batch.num_tokens
+        experts = 0.0
+        if self.num_experts:
+            experts = self.expert_bytes * self.moe_layers * min(self.num_experts, tokens * self.top_k)
+        return StepBytes(self.weight_bytes, experts,
+                         tuple(self.kv_read(c.end, len(c.tokens)) for c in batch.chunks),
+                         tuple(self.kv_bytes_per_token * len(c.tokens) for c in batch.chunks))
+
+
+def kv_layer_bytes(spec: Any, bytes_per_element: float) -> tuple[float, ...]:
+    """KV bytes per position of each layer of a `ModelSpec` (MLA: one latent; else K and V)."""
+    if spec.mla is not None:
+        per_layer = float(spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim)
+    else:
+        per_layer = 2.0 * spec.kv_size
+    return tuple(per_layer * bytes_per_element for _ in range(spec.num_layers))
