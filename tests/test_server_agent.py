@@ -137,13 +137,32 @@ def test_streamed_tool_call_deltas(srv: ServerThread) -> None:
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, stream=True, parallel_tool_calls=False,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 2 and [d.index for d in deltas] == [0, 0]  # index, id and name first, then arguments
+    # index, id and name first, then the arguments fragment by fragment as they are generated
+    assert len(deltas) > 3 and {d.index for d in deltas} == {0}
     assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
-    assert deltas[1].id is None and deltas[1].function.name is None
+    assert all(d.id is None and d.function.name is None and d.function.arguments for d in deltas[1:])
     arguments = "".join(d.function.arguments or "" for d in deltas)
     _args_ok("get_weather", arguments)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+
+def test_argument_deltas_through_the_sdk_stream_helper(srv: ServerThread) -> None:
+    fragments: list[str] = []
+    done: list[str] = []
+    with client(srv).chat.completions.stream(
+            model=MODEL, messages=ASK, tools=[{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}],
+            max_tokens=200, parallel_tool_calls=False, tool_choice="required") as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                fragments.append(event.arguments_delta)
+            elif event.type == "tool_calls.function.arguments.done":
+                done.append(event.arguments)
+        final = stream.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert len(fragments) > 3 and done == ["".join(fragments)] == [call.function.arguments]
+    _args_ok("get_weather", call.function.arguments)
+    assert call.function.parsed_arguments == json.loads(call.function.arguments)  # the helper's own parse
 
 
 def test_malformed_call_comes_back_as_content_and_is_counted(srv: ServerThread) -> None:

@@ -147,3 +147,32 @@ def test_follower_feeds_harmony_the_text_with_control_tokens() -> None:
     f.feed(RequestOutput("r", "ignored", ids[20:], finished=True, finish_reason="stop"))
     message = f.choice(False)["message"]
     assert (message["reasoning_content"], message["content"]) == ("Easy: 2 + 2.", "It is 4.<s>")
+
+
+def joined_parts(d: Delta) -> dict[int, tuple[str | None, str | None, str]]:
+    """index -> (id, name, the argument fragments joined), from a run's streamed parts."""
+    out: dict[int, tuple[str | None, str | None, str]] = {}
+    for p in d.parts:
+        call_id, name, args = out.get(p.index, (None, None, ""))
+        if p.id is not None:
+            assert call_id is None and p.arguments == "", "id and name come once, before the arguments"
+            call_id, name = p.id, p.name
+        out[p.index] = (call_id, name, args + p.arguments)
+    return out
+
+
+STREAMED = [(family, text) for family, text, _, _ in CASES] + [("harmony", HARMONY)]
+
+
+@pytest.mark.parametrize("family,text", STREAMED, ids=[f"{s[0]}-{i}" for i, s in enumerate(STREAMED)])
+def test_argument_fragments_join_to_the_final_arguments(family: str, text: str) -> None:
+    for chunks in [list(text)] + splits(text)[2:]:
+        d = run(parser_for(family, NAMES), chunks)
+        streamed = joined_parts(d)
+        assert [c.index for c in d.calls] == list(range(len(d.calls))), chunks
+        for c in d.calls:
+            if c.index in streamed:  # a call that arrived whole in one delta is sent whole
+                assert streamed[c.index] == (c.id, c.name, c.arguments), chunks
+    one_by_one = run(parser_for(family, NAMES), list(text))
+    fragments = [p for p in one_by_one.parts if p.arguments]
+    assert len(joined_parts(one_by_one)) == len(one_by_one.calls) and len(fragments) > len(one_by_one.calls)

@@ -11,7 +11,6 @@ import json
 import time
 from typing import Any
 
-from twinfer.runtime.engine.bill import merge_costs, with_server_time
 from twinfer.runtime.engine.request import RequestOutput, TokenLogprob
 from twinfer.runtime.server.metrics import ServerMetrics
 from twinfer.runtime.tokenizer.detok import StreamDecoder
@@ -42,11 +41,10 @@ class Follower:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
-        self.cost: dict[str, Any] | None = None  # the engine's bill, once finished
-        self.kv_transfer_params: dict[str, Any] | None = None
         self.first_token: float | None = None
         self.text_offset = 0  # completions logprobs: characters before the next token
         self._special: StreamDecoder | None = None
+        self._streamed: set[str] = set()  # ids of the calls sent in parts
 
     def feed(self, out: RequestOutput) -> Delta:
         """Take one engine delta; returns what it adds to the choice (for a stream chunk)."""
@@ -64,8 +62,6 @@ class Follower:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         if out.finished:
-            self.kv_transfer_params = out.kv_transfer_params
-            self.cost = with_server_time(out.cost, (now - self.arrival) * 1000.0) if out.cost else None
             reason = out.finish_reason or "stop"
             self.finish_reason = "tool_calls" if self.out.calls and reason == "stop" else reason
             self._record(now)
@@ -87,8 +83,6 @@ class Follower:
             tpot = (now - self.first_token) / (self.completion_tokens - 1)
         self.metrics.record_finish(self.finish_reason or "stop", self.prompt_tokens, self.completion_tokens, ttft,
                                    tpot, now - self.arrival, self.cached_tokens, self.out.failures)
-        if self.cost is not None:
-            self.metrics.record_cost(self.cost)
 
     # -- logprobs ------------------------------------------------------------------------------------
     def _piece(self, token: int) -> str:
@@ -157,15 +151,29 @@ class Follower:
         return self._envelope(choice, include_usage)
 
     def _call_chunks(self, delta: Delta | None, include_usage: bool) -> str:
-        if delta is None or not delta.calls:
+        """Streamed calls as the parser sent them (id and name, then argument fragments); a call that
+        arrived whole as two chunks: its index, id and name, then its arguments."""
+        if delta is None or not (delta.calls or delta.parts):
             return ""
+        entries: list[dict[str, Any]] = []
+        for p in delta.parts:
+            if p.id is not None:
+                self._streamed.add(p.id)
+                entries.append({"index": p.index, "id": p.id, "type": "function",
+                                "function": {"name": p.name, "arguments": ""}})
+            if p.arguments:
+                entries.append({"index": p.index, "function": {"arguments": p.arguments}})
         start = len(self.out.calls) - len(delta.calls)  # tool-call indices run per choice
-        out = []
         for i, c in enumerate(delta.calls):
-            head = {"index": start + i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
-            for entry in (head, {"index": start + i, "function": {"arguments": c.arguments}}):
-                choice = {"index": self.index, "delta": {"tool_calls": [entry]}, "logprobs": None, "finish_reason": None}
-                out.append(self._envelope(choice, include_usage))
+            if c.id in self._streamed:
+                continue
+            index = c.index if c.index is not None else start + i
+            entries += [{"index": index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}},
+                        {"index": index, "function": {"arguments": c.arguments}}]
+        out = []
+        for entry in entries:
+            choice = {"index": self.index, "delta": {"tool_calls": [entry]}, "logprobs": None, "finish_reason": None}
+            out.append(self._envelope(choice, include_usage))
         return "".join(out)
 
     def _envelope(self, choice: dict[str, Any], include_usage: bool) -> str:
@@ -199,21 +207,16 @@ def usage(followers: list[Follower]) -> dict[str, Any]:
     """Usage of a request: the prompt once, the completion tokens of every choice."""
     first = followers[0]
     completion = sum(f.completion_tokens for f in followers)
-    out: dict[str, Any] = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-                           "total_tokens": first.prompt_tokens + completion,
-                           "prompt_tokens_details": {"cached_tokens": max(f.cached_tokens for f in followers)}}
-    costs = [f.cost for f in followers if f.cost is not None]
-    if costs:
-        out["cost"] = merge_costs(costs)
-    return out
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": max(f.cached_tokens for f in followers)}}
 
 
 def response(followers: list[Follower], want_logprobs: bool) -> dict[str, Any]:
     first = followers[0]
     return {"id": first.request_id, "object": "chat.completion" if first.chat else "text_completion",
             "created": first.created, "model": first.model, "system_fingerprint": FINGERPRINT,
-            "choices": [f.choice(want_logprobs) for f in followers], "usage": usage(followers),
-            **({"kv_transfer_params": first.kv_transfer_params} if first.kv_transfer_params else {})}
+            "choices": [f.choice(want_logprobs) for f in followers], "usage": usage(followers)}
 
 
 def usage_chunk(followers: list[Follower]) -> str:

@@ -12,13 +12,30 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ToolCall:
-    """One complete call: `arguments` is JSON text (OpenAI's wire form)."""
+    """One complete call: `arguments` is JSON text (OpenAI's wire form); `index` is its place among
+    the choice's calls once a parser has numbered it (None: numbered by arrival)."""
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
+    index: int | None = None
+
+
+@dataclass
+class CallPart:
+    """A piece of a call still being generated: the first has `id` and `name` (and no arguments),
+    the later ones fragments of `arguments`; a call's fragments joined are its final arguments."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
 
 
 @dataclass
@@ -27,15 +44,17 @@ class Delta:
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     failures: int = 0  # calls the model opened but wrote malformed (returned as content)
+    parts: list[CallPart] = field(default_factory=list)  # calls streamed as they are generated
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.calls)
+        return bool(self.content or self.reasoning or self.calls or self.parts)
 
     def extend(self, other: Delta) -> Delta:
         self.content += other.content
         self.reasoning += other.reasoning
         self.calls += other.calls
         self.failures += other.failures
+        self.parts += other.parts
         return self
 
 

@@ -14,6 +14,7 @@ import re
 from collections.abc import Collection
 
 from twinfer.runtime.tools.events import Delta, ToolCall, held_prefix
+from twinfer.runtime.tools.streaming import CallStreams
 
 MESSAGE, ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
 _RECIPIENT = re.compile(r"to=functions\.([\w.-]+)")
@@ -27,6 +28,7 @@ class HarmonyParser:
         self.names = names
         self.buf = ""
         self.header: str | None = None  # the current message's header once its <|message|> is seen
+        self.streams = CallStreams(names)  # a call's body streams as its arguments
 
     def feed(self, text: str) -> Delta:
         self.buf += text
@@ -37,6 +39,7 @@ class HarmonyParser:
                 if i < 0:
                     return out
                 self.header, self.buf = self.buf[:i], self.buf[i + len(MESSAGE) :]
+                self.streams.new_region()
             end = min((j for j in (self.buf.find(e) for e in ENDS) if j >= 0), default=-1)
             if end < 0:
                 self._stream(out, final=False)
@@ -52,9 +55,14 @@ class HarmonyParser:
         return (channel.group(1) if channel else "final"), (recipient.group(1) if recipient else None)
 
     def _stream(self, out: Delta, final: bool) -> None:
-        """Send what is certain of a reasoning or content body; calls wait for their end."""
+        """Send what is certain of a body: reasoning, content, or a known function's arguments."""
         channel, recipient = self._kind()
         if recipient is not None:
+            if recipient in self.names and not final:
+                if not self.streams.region:
+                    self.streams.begin(recipient, out)
+                keep = max(held_prefix(self.buf, e) for e in ENDS)
+                self.streams.body(self.buf[: len(self.buf) - keep], out)
             return
         keep = 0 if final else max(held_prefix(self.buf, e) for e in ENDS)
         piece, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
@@ -77,10 +85,13 @@ class HarmonyParser:
         except ValueError:
             args = None
         if recipient in self.names and isinstance(args, dict):
-            out.calls.append(ToolCall(recipient, json.dumps(args, ensure_ascii=False)))
+            if self.streams.region:
+                self.streams.body(body, out, final=True)
+            out.calls += self.streams.settle(body, [ToolCall(recipient, json.dumps(args, ensure_ascii=False))])
         else:
             out.content += body
             out.failures += 1
+            self.streams.new_region()
 
     def finish(self) -> Delta:
         out = Delta()

@@ -20,6 +20,7 @@ from typing import Any
 
 from twinfer.runtime.tools.events import Delta, ToolCall, held_prefix
 from twinfer.runtime.tools.harmony import HarmonyParser
+from twinfer.runtime.tools.streaming import CallStreams
 
 
 def _calls(items: Any, names: Collection[str], args_key: tuple[str, ...] = ("arguments", "parameters")
@@ -53,6 +54,7 @@ class TaggedParser:
         self.open_tag, self.close_tag = open_tag, close_tag
         self.buf = ""
         self.inside = False
+        self.streams = CallStreams(names)
 
     def feed(self, text: str) -> Delta:
         self.buf += text
@@ -67,9 +69,12 @@ class TaggedParser:
                     return out
                 out.content += self.buf[:i]
                 self.buf, self.inside = self.buf[i + len(self.open_tag) :], True
+                self.streams.new_region()
             j = self.buf.find(self.close_tag)
             if j < 0:
+                self.streams.show(self.buf, out)
                 return out
+            self.streams.show(self.buf[:j], out)
             self._call(self.buf[:j], out, self.buf[: j + len(self.close_tag)])
             self.buf, self.inside = self.buf[j + len(self.close_tag) :], False
 
@@ -81,12 +86,14 @@ class TaggedParser:
         if calls is None:
             out.content += self.open_tag + raw
             out.failures += 1
+            self.streams.new_region()
         else:
-            out.calls += calls
+            out.calls += self.streams.settle(body, calls)
 
     def finish(self) -> Delta:
         out = Delta()
         if self.inside:  # an unclosed call: take it if its JSON is complete
+            self.streams.show(self.buf, out)
             self._call(self.buf, out, self.buf)
         else:
             out.content += self.buf
@@ -107,6 +114,7 @@ class WholeReplyParser:
                        "mistral": ("[TOOL_CALLS]", '[{"name"')}[family]
         self.buf = ""
         self.holding: bool | None = None  # None: undecided (only whitespace or a tag prefix so far)
+        self.streams = CallStreams(names)
 
     def feed(self, text: str) -> Delta:
         if self.holding is False:
@@ -115,6 +123,9 @@ class WholeReplyParser:
         head = self.buf.lstrip()
         if any(head.startswith(s) for s in self.starts):
             self.holding = True
+            out = Delta()
+            self.streams.show(self.buf, out)
+            return out
         elif head and not any(s.startswith(head) for s in self.starts):
             self.holding = False
             text, self.buf = self.buf, ""
@@ -125,10 +136,12 @@ class WholeReplyParser:
         text, self.buf = self.buf, ""
         if not self.holding:
             return Delta(content=text)
+        out = Delta()
+        self.streams.show(text, out)
         calls = self._parse(text.strip())
         if calls is None:
-            return Delta(content=text, failures=1)
-        return Delta(calls=calls)
+            return out.extend(Delta(content=text, failures=1))
+        return out.extend(Delta(calls=self.streams.settle(text, calls)))
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         try:
