@@ -8,7 +8,10 @@ the app layer is the one place that knows every other. A string handed to `impor
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
 
 import twinfer
 
@@ -92,3 +95,45 @@ def test_quant_never_imports_a_backend() -> None:
 def test_planners_backends_and_app_import_only_downward() -> None:
     found = upward_imports()
     assert (found["planners"], found["backends"], found["app"]) == ([], [], [])
+
+
+# Files outside runtime/models that may spell a registered architecture's name, and why.
+NAMES_ALLOWED = {
+    "planners/catalog.py": "the built-in catalog of published models states each one's architecture",
+    "runtime/models/__init__.py": "the registry itself (MODEL_TYPES, GGUF_ARCHS)",
+    "runtime/tokenizer/convert.py": "llama.cpp's vocabulary names: tokenizer.ggml.model 'llama' (SentencePiece), "
+                                    "tokenizer.ggml.pre 'qwen2' (a pre-tokenizer), not model types",
+    "runtime/tools/families.py": "'mistral' is a tool-call format ([TOOL_CALLS]), found from the chat template",
+    "runtime/tools/parsers.py": "'mistral' is that tool-call format's parser",
+}
+
+
+def architecture_names_outside_models() -> list[str]:
+    """`file:line 'name'` for every string constant outside runtime/models that is a registered
+    model_type or GGUF architecture name (docstrings and comments may mention models)."""
+    from twinfer.runtime.models import GGUF_ARCHS, MODEL_TYPES
+
+    names = set(MODEL_TYPES) | set(GGUF_ARCHS)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in NAMES_ALLOWED or (rel.startswith("runtime/models/") and rel != "runtime/models/__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                found.append(f"{rel}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_only_architecture_files_name_architectures() -> None:
+    """Adding an architecture is one file: what is particular to it (name tables, chat template,
+    synthetic checkpoints, GGUF names) lives in runtime/models/<model_type>.py, found through the registry."""
+    assert architecture_names_outside_models() == []
+
+
+def test_the_name_checker_sees_a_model_type(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    probe = tmp_path / "twinfer" / "quant" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text('"""gpt_oss in a docstring is fine."""\nif arch == "gpt-oss":\n    pass\n')
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "twinfer")
+    assert architecture_names_outside_models() == ["quant/probe.py:2 'gpt-oss'"]
