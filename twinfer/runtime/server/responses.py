@@ -11,6 +11,7 @@ import json
 import time
 from typing import Any
 
+from twinfer.runtime.engine.bill import merge_costs, with_server_time
 from twinfer.runtime.engine.request import RequestOutput, TokenLogprob
 from twinfer.runtime.server.metrics import ServerMetrics
 from twinfer.runtime.tokenizer.detok import StreamDecoder
@@ -41,6 +42,8 @@ class Follower:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.cost: dict[str, Any] | None = None  # the engine's bill, once finished
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.first_token: float | None = None
         self.text_offset = 0  # completions logprobs: characters before the next token
         self._special: StreamDecoder | None = None
@@ -62,6 +65,8 @@ class Follower:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         if out.finished:
+            self.kv_transfer_params = out.kv_transfer_params
+            self.cost = with_server_time(out.cost, (now - self.arrival) * 1000.0) if out.cost else None
             reason = out.finish_reason or "stop"
             self.finish_reason = "tool_calls" if self.out.calls and reason == "stop" else reason
             self._record(now)
@@ -83,6 +88,8 @@ class Follower:
             tpot = (now - self.first_token) / (self.completion_tokens - 1)
         self.metrics.record_finish(self.finish_reason or "stop", self.prompt_tokens, self.completion_tokens, ttft,
                                    tpot, now - self.arrival, self.cached_tokens, self.out.failures)
+        if self.cost is not None:
+            self.metrics.record_cost(self.cost)
 
     # -- logprobs ------------------------------------------------------------------------------------
     def _piece(self, token: int) -> str:
@@ -207,16 +214,21 @@ def usage(followers: list[Follower]) -> dict[str, Any]:
     """Usage of a request: the prompt once, the completion tokens of every choice."""
     first = followers[0]
     completion = sum(f.completion_tokens for f in followers)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": max(f.cached_tokens for f in followers)}}
+    out: dict[str, Any] = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+                           "total_tokens": first.prompt_tokens + completion,
+                           "prompt_tokens_details": {"cached_tokens": max(f.cached_tokens for f in followers)}}
+    costs = [f.cost for f in followers if f.cost is not None]
+    if costs:
+        out["cost"] = merge_costs(costs)
+    return out
 
 
 def response(followers: list[Follower], want_logprobs: bool) -> dict[str, Any]:
     first = followers[0]
     return {"id": first.request_id, "object": "chat.completion" if first.chat else "text_completion",
             "created": first.created, "model": first.model, "system_fingerprint": FINGERPRINT,
-            "choices": [f.choice(want_logprobs) for f in followers], "usage": usage(followers)}
+            "choices": [f.choice(want_logprobs) for f in followers], "usage": usage(followers),
+            **({"kv_transfer_params": first.kv_transfer_params} if first.kv_transfer_params else {})}
 
 
 def usage_chunk(followers: list[Follower]) -> str:
