@@ -154,6 +154,8 @@ def check(folder: Path, ref: Any, formats: set[str]) -> dict[str, Any]:
         assert size == stored[n], (n, size, stored[n])
     out["resident"], out["stored"] = sum(resident.values()), sum(stored[n] for n in resident)
     out["float32"] = sum(4 * int(np.prod(loaded.weights.shape(n))) for n in resident)
+    print(f"{folder.name} datacenter: {out['resident']} bytes resident for {out['stored']} published "
+          f"({out['float32']} as float32)")
     return out
 
 
@@ -358,11 +360,15 @@ def test_packed_tensor_reads_dequantized(tmp_path: Path) -> None:
 
 
 # -- refusals --------------------------------------------------------------------------------------
-def _folder_with(tmp_path: Path, change: Callable[[dict[str, Any]], None], name: str = "bad") -> Path:
-    base = tmp_path / "base"
-    if not base.exists():
-        writer, quant = ct_writer("FP8_DYNAMIC", "float-quantized")
-        write(base, "llama", writer, quant)
+@pytest.fixture(scope="module")
+def ct_fp8_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("ct-fp8")
+    writer, quant = ct_writer("FP8_DYNAMIC", "float-quantized")
+    write(base, "llama", writer, quant)
+    return base
+
+
+def _folder_with(tmp_path: Path, base: Path, change: Callable[[dict[str, Any]], None], name: str = "bad") -> Path:
     folder = tmp_path / name
     folder.mkdir()
     (folder / "model.safetensors").symlink_to(base / "model.safetensors")
@@ -396,9 +402,9 @@ REFUSALS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
-def test_refused_by_field(tmp_path: Path, case: str) -> None:
+def test_refused_by_field(tmp_path: Path, ct_fp8_folder: Path, case: str) -> None:
     change, field = REFUSALS[case]
-    folder = _folder_with(tmp_path, change)
+    folder = _folder_with(tmp_path, ct_fp8_folder, change)
     with pytest.raises(ModelError) as err:
         load_model(folder)
     assert field in str(err.value), str(err.value)
