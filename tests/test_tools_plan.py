@@ -97,8 +97,7 @@ def test_bad_tool_requests(tok: Tokenizer) -> None:
             plan_tools(tools, choice, None, tok, None)
     assert plan_tools([ADD], "none", None, tok, None).constraint is None
     gpt_oss = type("T", (), {"chat_template": "<|channel|>{{ tools }}"})()
-    with pytest.raises(RequestError, match="harmony"):
-        plan_tools([ADD], "required", None, gpt_oss, None)
+    assert plan_tools([ADD], "required", None, gpt_oss, None).constraint is not None  # test_harmony runs it
     assert plan_tools(None, None, None, gpt_oss, None).family == "harmony"  # channels parsed without tools too
 
 

@@ -62,6 +62,8 @@ def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -
     """An llguidance grammar (JSON form) admitting only calls of `functions` in `family`'s syntax."""
     most = MAX_PARALLEL_CALLS if parallel else 1
     many = f"{{1,{most}}}" if most > 1 else ""
+    if family == "harmony":
+        return json.dumps({"grammars": [{"lark_grammar": harmony_call_grammar(functions)}]})
     if family == "hermes":
         lark = f'start: call{many}\ncall: "<tool_call>\\n" {_json(_any_call(functions))} "\\n</tool_call>"\n'
     elif family == "llama3":
@@ -75,6 +77,18 @@ def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -
                      "additionalProperties": False}
             lark = f"start: {_json(outer)}\n"
     return json.dumps({"grammars": [{"lark_grammar": lark}]})
+
+
+def harmony_call_grammar(functions: list[dict[str, Any]]) -> str:
+    """gpt-oss's forced call: an optional analysis message, then one commentary message to
+    `functions.NAME` with `<|constrain|>json` and the arguments' JSON; generation then ends on
+    `<|call|>` (an end-of-generation token). Harmony has one call per turn, so `parallel` is moot.
+    Control tokens are named as llguidance names special tokens (`<|channel|>`)."""
+    calls = [f'<|channel|> "commentary to=functions.{f["name"]} " <|constrain|> "json" <|message|> '
+             f'{_json(f["parameters"])}' for f in functions]
+    return ('start: analysis? call\n'
+            'analysis: <|channel|> "analysis" <|message|> /(.|\n)*/ <|end|> <|start|> "assistant"\n'
+            f'call: {" | ".join(calls)}\n')
 
 
 _TRIGGERS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),

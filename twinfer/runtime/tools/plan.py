@@ -69,9 +69,6 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         forced = functions if choice == "required" else {}
     if forced and constraint is not None:
         raise RequestError("tool_choice 'required' or a named function cannot be combined with response_format")
-    if forced and family == "harmony":
-        raise RequestError("tool_choice 'required' or a named function is not enforced for harmony (gpt-oss) "
-                           "templates yet; use 'auto'")
     plan = ToolPlan(family, functions, reasoning=reasoning)
     if family == "generic":
         plan.rewrite = generic_messages(list(functions.values()), parallel is not False)
