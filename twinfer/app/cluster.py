@@ -107,11 +107,21 @@ class Pools:
     regular: tuple[str, ...] = ()
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports the OS says are free now (all bound at once, then released)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the OS says is free now (bound to 0 and released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 def _child_setup() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -133,14 +143,16 @@ def http_status(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         return 0, b""
 
 
-def gateway_command(cfg: ClusterConfig, port: int, pools: Pools) -> list[str]:
+def gateway_command(cfg: ClusterConfig, port: int, pools: Pools, metrics_port: int = 0) -> list[str]:
     """The `smg launch` command line for these pools (PD mode when there are prefill and decode URLs)."""
     argv = [sys.executable, "-m", "smg", "launch", "--host", cfg.host, "--port", str(port),
             "--health-check-endpoint", "/health",
             "--health-check-interval-secs", str(max(1, round(cfg.health_interval_s))),
             "--health-check-timeout-secs", "2", "--health-failure-threshold", "1",
             "--shutdown-grace-period-secs", "5", "--log-level", "warn",
-            "--block-size", "16", "--disable-circuit-breaker"]
+            "--block-size", "16", "--disable-circuit-breaker",
+            # its own metrics port would otherwise be a fixed 29000 on every address: two clusters would collide
+            "--prometheus-host", cfg.host, "--prometheus-port", str(metrics_port or free_port(cfg.host))]
     if pools.prefill:
         argv += ["--pd-disaggregation", "--policy", cfg.policy]
         for url in pools.prefill:
@@ -161,6 +173,7 @@ class Cluster:
         self.gateway: subprocess.Popen[bytes] | None = None
         self.port = cfg.port
         self._logs: list[IO[bytes]] = []
+        self._ports: list[int] = []  # free ports taken at start, all distinct
         self._stopped = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -175,16 +188,28 @@ class Cluster:
         """Start every replica, wait until each answers /health, then start the gateway and wait for it."""
         if importlib.util.find_spec("smg") is None:
             raise TwinferError("twinfer cluster runs SGLang's Model Gateway: pip install smg")
+        self._ports = free_ports(2 * self.cfg.num_replicas, self.cfg.host)
         try:
             self._start_replicas()
             self._wait(lambda: all(self._replica_ready(r) for r in self.replicas), "the replicas to load")
-            if self.port == 0:
-                self.port = free_port(self.cfg.host)
-            self.gateway = self._spawn(gateway_command(self.cfg, self.port, self.pools), "gateway")
-            self._wait(self._gateway_ready, "the gateway to route to every replica")
+            self._start_gateway()
         except BaseException:
             self.stop()
             raise
+
+    def _start_gateway(self, attempts: int = 3) -> None:
+        """Start smg on the asked port, or on a free one; a free port lost to a race is tried again, 3 times."""
+        for attempt in range(attempts):
+            gateway_port, metrics_port = free_ports(2, self.cfg.host)  # taken now, not before the health polls
+            self.port = self.cfg.port or gateway_port
+            self.gateway = self._spawn(gateway_command(self.cfg, self.port, self.pools, metrics_port), "gateway")
+            try:
+                self._wait(self._gateway_ready, "the gateway to route to every replica")
+                return
+            except TwinferError:
+                if self.gateway.poll() is None or self.cfg.port or attempt == attempts - 1:
+                    raise
+                self.gateway = None  # it exited at once (a port taken since we looked): new ports
 
     def stop(self) -> None:
         """Stop the gateway, then the replicas (SIGTERM to each group; SIGKILL after `stop_timeout_s`)."""
@@ -243,8 +268,8 @@ class Cluster:
         roles = (["prefill"] * cfg.prefill + ["decode"] * cfg.decode) if cfg.disaggregated else ["replica"] * cfg.replicas
         threads = cfg.replica_threads()
         for i, role in enumerate(roles):
-            port = free_port(cfg.host)
-            events = f"tcp://{cfg.host}:{free_port(cfg.host)}" if cfg.kv_events else None
+            port, events_port = self._ports.pop(), self._ports.pop()
+            events = f"tcp://{cfg.host}:{events_port}" if cfg.kv_events else None
             argv = [sys.executable, "-m", "twinfer.cli.main", "serve", *([cfg.model] if cfg.model else []),
                     "--host", cfg.host, "--port", str(port), "--threads", str(threads), "--ctx", str(cfg.ctx),
                     "--max-seqs", str(cfg.max_seqs), "--log-level", "warning",
@@ -312,4 +337,5 @@ def describe(cluster: Cluster) -> list[str]:
     return lines
 
 
-__all__ = ["POLICIES", "Cluster", "ClusterConfig", "Pools", "Replica", "describe", "free_port", "gateway_command"]
+__all__ = ["POLICIES", "Cluster", "ClusterConfig", "Pools", "Replica", "describe", "free_port", "free_ports",
+           "gateway_command"]
