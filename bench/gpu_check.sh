@@ -4,7 +4,9 @@
 #      compiled for the GPU (not interpreted), alone and wired into whole tiny models;
 #   2. decode tokens/s at batch 1 and 64 of a random-weight ~8B Llama in BF16 and FP8 (triton kernels,
 #      CUDA graphs), with achieved HBM bandwidth as a fraction of the card's (4.8 TB/s on an H200),
-#      and batch 1 again without graphs: what the graphs buy.
+#      and batch 1 again without graphs: what the graphs buy;
+#   3. decode tokens/s at batch 1 and 64 of a DeepSeek-V3-shaped random MoE (4 layers at full width, MLA,
+#      256 experts top 8, FP8 projections), as one rank of EP 8, with achieved HBM bandwidth (bench/gpu_moe.py).
 # Usage: bash bench/gpu_check.sh [--dry-run]   (--dry-run: CPU, tiny model; what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,9 @@ PY
   echo "== decode throughput =="
   timeout 240 python bench/gpu_decode.py --batches 1,64 --formats bf16,fp8 --context 1024 --steps 32
   timeout 90 python bench/gpu_decode.py --batches 1 --formats bf16 --context 1024 --steps 32 --no-cuda-graphs
+  echo "== DeepSeek-V3-shaped MoE decode (FP8, EP 8 rank) =="
+  timeout 180 python bench/gpu_moe.py --layers 4 --ep 8 --batches 1,64 --formats fp8 --context 1024 --steps 16
 else
   python bench/gpu_decode.py --dry-run
+  python bench/gpu_moe.py --dry-run --batches 1,4
 fi
