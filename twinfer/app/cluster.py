@@ -6,8 +6,9 @@ policy asked for (cache_aware: its approximate prefix tree over HTTP workers). E
 process group of its own and, on Linux, is told to exit if this process dies, so stopping the cluster
 (Ctrl+C, SIGTERM, or `Cluster.stop()`) leaves no orphans. Every wait here is bounded in time.
 
-For prefill/decode disaggregation the cluster starts the two pools and hands their URLs (`Pools`) to
-the gateway's PD mode; the KV hand-over between them belongs to the replicas' KV connector.
+For prefill/decode disaggregation the cluster starts the two pools (replicas with `--kv-connector tcp`)
+and hands their URLs (`Pools`) to twinfer's prefill/decode proxy (app/pd.py) where this build has it,
+else to the gateway's PD mode; the KV hand-over between them belongs to the replicas' KV connector.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ class Cluster:
         self.port = cfg.port
         self._logs: list[IO[bytes]] = []
         self._ports: list[int] = []  # free ports taken at start, all distinct
+        self.pd_front: Any = None  # the prefill/decode proxy (in this process), when disaggregated
         self._stopped = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -192,10 +194,25 @@ class Cluster:
         try:
             self._start_replicas()
             self._wait(lambda: all(self._replica_ready(r) for r in self.replicas), "the replicas to load")
-            self._start_gateway()
+            if self.cfg.disaggregated:
+                self._start_pd_front()
+            else:
+                self._start_gateway()
         except BaseException:
             self.stop()
             raise
+
+    def _start_pd_front(self) -> None:
+        """Hand the two pools' URLs to the prefill/decode orchestrator: twinfer's PD proxy (app/pd.py, which
+        pairs a prefill and a decode replica per request over their KV connectors) where this build has it,
+        else the gateway's own PD mode."""
+        try:
+            pd = importlib.import_module("twinfer.app.pd")
+        except ImportError:
+            self._start_gateway()
+            return
+        self.pd_front = pd.start_pd_proxy(self.pools.prefill, self.pools.decode, self.cfg.host, self.cfg.port)
+        self.port = int(self.pd_front.port)
 
     def _start_gateway(self, attempts: int = 3) -> None:
         """Start smg on the asked port, or on a free one; a free port lost to a race is tried again, 3 times."""
@@ -214,6 +231,9 @@ class Cluster:
     def stop(self) -> None:
         """Stop the gateway, then the replicas (SIGTERM to each group; SIGKILL after `stop_timeout_s`)."""
         self._stopped.set()
+        if self.pd_front is not None:
+            self.pd_front.stop()
+            self.pd_front = None
         procs = ([self.gateway] if self.gateway is not None else []) + [r.proc for r in self.replicas]
         for proc in procs:
             _signal_group(proc, signal.SIGTERM)
@@ -273,6 +293,7 @@ class Cluster:
             argv = [sys.executable, "-m", "twinfer.cli.main", "serve", *([cfg.model] if cfg.model else []),
                     "--host", cfg.host, "--port", str(port), "--threads", str(threads), "--ctx", str(cfg.ctx),
                     "--max-seqs", str(cfg.max_seqs), "--log-level", "warning",
+                    *(["--kv-connector", "tcp"] if role != "replica" else []),
                     *(["--kv-events", events] if events else []), *cfg.serve_args]
             proc = self._spawn(argv, f"replica-{i}")
             self.replicas.append(Replica(i, role, f"http://{cfg.host}:{port}", events, proc))
@@ -330,7 +351,8 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 def describe(cluster: Cluster) -> list[str]:
     """Lines saying what runs where (printed by the CLI once the cluster is up)."""
-    lines = [f"gateway (smg, policy {cluster.cfg.policy}) on {cluster.url}/v1"]
+    front = "prefill/decode proxy" if cluster.pd_front is not None else f"gateway (smg, policy {cluster.cfg.policy})"
+    lines = [f"{front} on {cluster.url}/v1"]
     for r in cluster.replicas:
         events = f", KV events {r.kv_events}" if r.kv_events else ""
         lines.append(f"  {r.role} {r.index}: {r.url} (pid {r.proc.pid}{events})")
