@@ -11,6 +11,7 @@ here is the grammar's doing.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from twinfer.runtime.errors import RequestError  # noqa: E402
 from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
+from twinfer.runtime.tokenizer.harmony import render_harmony  # noqa: E402
 from twinfer.runtime.tools.plan import plan_tools  # noqa: E402
 
 CONTROL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
@@ -87,3 +89,105 @@ def test_forced_choice_with_a_response_format_is_refused() -> None:
 
     with pytest.raises(RequestError, match="response_format"):
         plan_tools(TOOLS, "required", None, harmony_tokenizer(), Constraint.json_schema(ADD))
+
+
+# -- the prompt: harmony's own golden renderings -------------------------------------------------------
+GOLDEN = Path(__file__).parent / "data" / "harmony"
+HARMONY_TOOLS = [
+    {"name": "get_location", "description": "Gets the location of the user."},
+    {"name": "get_current_weather", "description": "Gets the current weather in the provided location.",
+     "parameters": {"type": "object", "properties": {
+         "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
+         "format": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"}},
+         "required": ["location"]}},
+    {"name": "get_multiple_weathers", "description": "Gets the current weather in the provided list of locations.",
+     "parameters": {"type": "object", "properties": {
+         "locations": {"type": "array", "items": {"type": "string"},
+                       "description": 'List of city and state, e.g. ["San Francisco, CA", "New York, NY"]'},
+         "format": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"}},
+         "required": ["locations"]}},
+    {"name": "kitchensink", "description": "A function with various complex schemas.", "parameters": {
+        "description": "params object", "type": "object", "properties": {
+            "string": {"type": "string", "title": "STRING", "description": "A string", "examples": ["hello", "world"]},
+            "string_nullable": {"type": "string", "nullable": True, "description": "A nullable string",
+                                "default": "the default"},
+            "string_enum": {"type": "string", "enum": ["a", "b", "c"]},
+            "oneof_string_or_number": {"oneOf": [{"type": "string", "default": "default_string_in_oneof"},
+                                                 {"type": "number", "description": "numbers can happen too"}],
+                                       "description": "a oneof", "default": 20}}}},
+]
+
+
+def golden(name: str) -> str:
+    return (GOLDEN / f"{name}.txt").read_text(encoding="utf-8").rstrip()
+
+
+def test_prompts_match_openai_harmonys_renderings() -> None:
+    ask = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert render_harmony(ask) == golden("test_simple_convo")
+    robot = [{"role": "developer", "content": "Answer the user's questions like a robot."},
+             {"role": "user", "content": "What is the capital of the largest country in the world?"}]
+    assert render_harmony(robot, reasoning_effort="low") == golden("test_simple_convo_low_effort")
+    tools = [{"type": "function", "function": f} for f in HARMONY_TOOLS]
+    messages = [{"role": "system", "content": "Always respond in riddles"},
+                {"role": "user", "content": "What is the weather like in SF?"}]
+    assert render_harmony(messages, tools, reasoning_effort="high", current_date="2025-06-28") == \
+        golden("test_render_functions_with_parameters")
+    with pytest.raises(RequestError, match="reasoning_effort"):
+        render_harmony(ask, reasoning_effort="maximal")
+
+
+def test_a_tool_chain_keeps_its_reasoning_and_ends_calls_with_call() -> None:
+    messages = [{"role": "user", "content": "Weather in SF?"},
+                {"role": "assistant", "reasoning_content": "Use the tool.", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "lookup_weather", "arguments": '{"location": "San Francisco"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 20}'}]
+    text = render_harmony(messages, [{"type": "function", "function": {"name": "lookup_weather"}}])
+    assert text.endswith(
+        "<|start|>user<|message|>Weather in SF?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|>"
+        "<|start|>assistant to=functions.lookup_weather<|channel|>commentary <|constrain|>json<|message|>"
+        '{"location": "San Francisco"}<|call|>'
+        '<|start|>functions.lookup_weather to=assistant<|channel|>commentary<|message|>{"temperature": 20}<|end|>'
+        "<|start|>assistant")
+    done = [*messages, {"role": "assistant", "reasoning_content": "Sunny.", "content": "It is 20 C."},
+            {"role": "user", "content": "Thanks"}]
+    text = render_harmony(done)  # a final answer closed the chain: its reasoning is dropped
+    assert "Use the tool." not in text and "Sunny." not in text
+    assert "<|start|>assistant<|channel|>final<|message|>It is 20 C.<|end|>" in text
+
+
+# -- through the server and the openai SDK --------------------------------------------------------------
+def test_gpt_oss_chat_through_the_server() -> None:
+    openai = pytest.importorskip("openai")
+    from twinfer.runtime.engine.async_engine import AsyncEngine
+    from twinfer.runtime.server import create_app
+    from twinfer.runtime.server.serve import ServerThread
+
+    tok = harmony_tokenizer()
+    engine = AsyncEngine(Engine(HashRunner(tok.vocab_size, seed=1), tok, EngineConfig(max_seqs=4, max_context=4096)))
+    engine.start()
+    st = ServerThread(create_app(engine, tok, "oss", guard=NO_GUARD)).start()
+    try:
+        client = openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+        r = client.chat.completions.create(model="oss", messages=ask, tools=TOOLS, tool_choice="required",
+                                           max_tokens=300, temperature=0, reasoning_effort="high")
+        assert r.choices[0].finish_reason == "tool_calls" and r.usage.prompt_tokens > 400  # the tool namespace
+        call = r.choices[0].message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER if call.function.name == "get_weather" else ADD)
+        with client.chat.completions.stream(model="oss", messages=ask, tools=TOOLS, max_tokens=300, temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}}
+                                            ) as stream:
+            fragments = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+            final = stream.get_final_completion()
+        streamed = final.choices[0].message.tool_calls[0].function
+        assert streamed.name == "get_weather" and "".join(fragments) == streamed.arguments and len(fragments) > 1
+        jsonschema.validate(json.loads(streamed.arguments), WEATHER)
+        bad = client.with_options(max_retries=0).chat.completions.with_raw_response
+        with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+            bad.create(model="oss", messages=ask, reasoning_effort="maximal")  # type: ignore[arg-type]
+    finally:
+        st.call(engine.shutdown(drain=False), timeout_s=10)
+        st.stop()

@@ -15,6 +15,7 @@ from twinfer.runtime.engine.params import GuardConfig, SamplingParams
 from twinfer.runtime.errors import ModelError, RequestError
 from twinfer.runtime.server.errors import APIError
 from twinfer.runtime.server.protocol import CompletionRequest
+from twinfer.runtime.tokenizer.harmony import render_harmony
 from twinfer.runtime.tools.plan import ToolPlan
 
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
@@ -42,6 +43,10 @@ async def chat_prompt(tokenizer: Any, req: Any, plan: ToolPlan | None = None,
         extra["tools"] = plan.template_tools
     add_generation_prompt = getattr(req, "add_generation_prompt", True)
     try:
+        if plan is not None and plan.family == "harmony":  # gpt-oss: rendered as openai-harmony renders it
+            effort = getattr(req, "reasoning_effort", None) or extra.get("reasoning_effort")
+            text = render_harmony(messages, plan.template_tools, add_generation_prompt, effort)
+            return await asyncio.to_thread(tokenizer.encode, text, False)
         return await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt, **extra)
     except RequestError as e:
         raise APIError(400, str(e), param="messages") from e

@@ -96,6 +96,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    reasoning_effort: str | None = None  # gpt-oss (harmony): low, medium or high
     # vLLM's extras
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
