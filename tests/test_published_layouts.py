@@ -250,6 +250,9 @@ def test_deepseek_block_fp8(tmp_path: Path) -> None:
     ref = write(tmp_path / "ds-fp8", "deepseek_v3", deepseek_fp8, quant, split_experts=True)
     got = check(tmp_path / "ds-fp8", ref, {"fp8-block"})
     assert got["resident"] == got["stored"] and got["resident"] < got["float32"] / 3
+    from twinfer.planners.source import profile_from_loaded
+
+    assert profile_from_loaded(load_model(tmp_path / "ds-fp8")).stored.label == "FP8 (as stored)"  # what plan sees
 
 
 @pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8"])  # per channel; per tensor with a static input scale

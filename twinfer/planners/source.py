@@ -46,6 +46,7 @@ def component(name: str, ndim: int) -> str:
 
 def _format_name(dtype: str) -> str:
     d = dtype.lower().replace("f8_e4m3", "fp8").replace("float8_e4m3fn", "fp8")
+    d = d.replace("fp8-block", "fp8")  # a published block-FP8 linear (runtime/loaders/published.py)
     if d in FORMATS:
         return d
     for name in d.split("+"):
