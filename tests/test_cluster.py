@@ -288,10 +288,12 @@ def test_killed_replica_ends_streams_and_the_others_serve(cluster: RunningCluste
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    victim = cluster.replicas[0]
-    while time.monotonic() < deadline and _metric(victim["url"], "twinfer_requests_running") < 1:
+    busy: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not busy:  # the victim: a replica with a stream in flight
+        busy = [r for r in cluster.replicas if _metric(r["url"], "twinfer_requests_running") >= 1]
         time.sleep(0.1)
-    assert _metric(victim["url"], "twinfer_requests_running") >= 1, "no stream reached replica 0"
+    assert busy, "no stream reached a replica within 60 s"
+    victim = busy[0]
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
     after = [_post(f"{cluster.url}/v1/completions", {"model": MODEL, "prompt": f"After the kill, request {i}.",
@@ -306,7 +308,7 @@ def test_killed_replica_ends_streams_and_the_others_serve(cluster: RunningCluste
         assert finished != s["cut"] and s["elapsed"] < timeout_s, s
     assert any(s["cut"] for s in streams), "no stream on the killed replica was cut"
     assert time.monotonic() - killed_at < timeout_s
-    survivor = cluster.replicas[1]["url"]
+    survivor = next(r["url"] for r in cluster.replicas if r is not victim)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and _metric(survivor, "twinfer_requests_active") > 0:
         time.sleep(0.2)
