@@ -16,7 +16,7 @@ def run_cluster(model: str | None, replicas: int, prefill: int, decode: int, pol
     if cfg.disaggregated:
         print(f"twinfer: starting {prefill} prefill and {decode} decode replicas", file=sys.stderr)
     else:
-        print(f"twinfer: starting {replicas} replicas", file=sys.stderr)
+        print(f"twinfer: starting {replicas} replica{'s' if replicas != 1 else ''}", file=sys.stderr)
     cluster = Cluster(cfg)
     cluster.start()
     for line in describe(cluster):
