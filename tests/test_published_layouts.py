@@ -192,6 +192,12 @@ def ct_writer(preset: str, fmt: str) -> tuple[Writer, dict[str, Any]]:
             g = w.unflatten(-1, (w.shape[1] // args.group_size, args.group_size))
             sd["weight_scale"], _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=gs)
             sd["weight_global_scale"] = gs
+        elif args.strategy == "block":  # min/max per tile, edge tiles partial
+            b = args.block_structure[0]
+            tiles = [[w[i : i + b, j : j + b] for j in range(0, w.shape[1], b)] for i in range(0, w.shape[0], b)]
+            lo = torch.tensor([[t.min() for t in row] for row in tiles])
+            hi = torch.tensor([[t.max() for t in row] for row in tiles])
+            sd["weight_scale"], _ = calculate_qparams(lo, hi, args)
         elif args.strategy == "channel":
             sd["weight_scale"], _ = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
         else:
@@ -255,11 +261,11 @@ def test_deepseek_block_fp8(tmp_path: Path) -> None:
     assert profile_from_loaded(load_model(tmp_path / "ds-fp8")).stored.label == "FP8 (as stored)"  # what plan sees
 
 
-@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8"])  # per channel; per tensor with a static input scale
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8", "FP8_BLOCK"])  # channel; tensor (static input); 128x128
 def test_compressed_tensors_fp8(tmp_path: Path, preset: str) -> None:
     writer, quant = ct_writer(preset, "float-quantized")
     ref = write(tmp_path / preset, "llama", writer, quant)
-    got = check(tmp_path / preset, ref, {"fp8"})
+    got = check(tmp_path / preset, ref, {"fp8-block" if preset == "FP8_BLOCK" else "fp8"})
     assert got["resident"] == got["stored"] and got["resident"] < got["float32"] / 3
 
 
