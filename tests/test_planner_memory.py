@@ -35,15 +35,19 @@ def test_kv_bytes_per_token_sliding_window_gemma_3_27b_at_32k() -> None:
     cached = len(global_layers) * context + (layers - len(global_layers)) * window  # tokens held per sequence
     true = cached * per_layer_token / context
     assert len(global_layers) == 10
-    assert _plan_kv_per_token("gemma-3-27b", context) == pytest.approx(true, rel=1e-12)
+    assert find("gemma-3-27b").spec.kv_bytes_per_token(2, context) == pytest.approx(true, rel=1e-12)
     assert true == 95232.0  # a calculator treating every layer as global would say 507904 (+433%)
+    # what a plan prices is what its runner allocates: the torch runner pages sliding layers at full length
+    assert _plan_kv_per_token("gemma-3-27b", context) == layers * per_layer_token == 507904
 
 
 def test_kv_bytes_per_token_alternating_window_gpt_oss_120b() -> None:
     context = 8192
     per_layer_token = 2 * 8 * 64 * 2
     cached = 18 * context + 18 * 128  # layers alternate: window 128, full
-    assert _plan_kv_per_token("gpt-oss-120b", context) == pytest.approx(cached * per_layer_token / context)
+    assert find("gpt-oss-120b").spec.kv_bytes_per_token(2, context) == pytest.approx(cached * per_layer_token / context)
+    # the torch runner pages sliding layers at full length, and the plan prices what it allocates
+    assert _plan_kv_per_token("gpt-oss-120b", context) == 36 * per_layer_token
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,8 @@ def _gpt_oss(name: str, L: int, experts: int) -> Entry:
     spec = ModelSpec(model_type="gpt_oss", name=name, vocab_size=201088, hidden_size=2880, num_layers=L,
                      num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, max_position=131072,
                      rope_theta=150000.0, sliding_window=128, layer_types=_every(2, L), attention_bias=True,
-                     rms_norm_eps=1e-5, moe=MoESpec(num_experts=experts, top_k=4, expert_intermediate_size=2880))
+                     rms_norm_eps=1e-5, attention_sinks=True,
+                     moe=MoESpec(num_experts=experts, top_k=4, expert_intermediate_size=2880))
     return Entry(name, spec, f"openai/{name}", native="mxfp4-moe")
 
 

@@ -12,7 +12,7 @@ from twinfer.planners.formats import GOOD, LOSSY, MIXES
 from twinfer.planners.hardware import APPLE, Cluster
 from twinfer.planners.memory import FULL_LENGTH_KV, max_concurrency, max_context, memory_for
 from twinfer.planners.model import ModelProfile
-from twinfer.planners.search import Candidate, Request, search, target_of
+from twinfer.planners.search import Candidate, Request, first_refusal, search, target_of
 from twinfer.planners.units import fmt_bytes, fmt_rate, fmt_seconds
 
 
@@ -109,7 +109,8 @@ def _window_note(c: Candidate, request: Request) -> str:
     spec = c.profile.spec
     windows = [w for w in (spec.window(i) for i in range(spec.num_layers)) if w]
     if c.strategy.engine in FULL_LENGTH_KV and windows and request.context > min(windows):
-        return " (the llama.cpp runner keeps sliding-window layers at full length, for exact rollback)"
+        why = "for exact rollback" if c.strategy.engine == "llamacpp" else "paged through the same block tables"
+        return f" (the {c.strategy.engine} runner keeps sliding-window layers at full length, {why})"
     return ""
 
 
@@ -128,6 +129,9 @@ def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request:
     reasons.append(f"KV cache in {s.kv.label}: {fmt_bytes(mem.kv_bytes_per_token)} per token at {request.context} "
                    f"tokens of context, {fmt_bytes(mem.kv)} per device for {request.concurrency} sequence(s)"
                    + _window_note(c, request))
+    if c.profile.spec.mla is not None and s.tp > 1:
+        reasons.append(f"the MLA latent cache is replicated, not split, under TP{s.tp}: every rank's heads attend "
+                       f"over the whole latent, so each GPU holds all {fmt_bytes(mem.kv_bytes_per_token)} per token")
     warnings = []
     if s.prune:
         warnings.append(f"pruned {s.prune:.0%} of the {'experts' if c.profile.moe else 'layers'} to fit: expect a "
@@ -184,7 +188,8 @@ def smallest_change(model: ModelProfile, cluster: Cluster, request: Request, eva
     """One line: the least change to the request or the hardware that makes some good plan fit."""
     c = closest(evaluated, cluster)
     if c is None:
-        return "no strategy applies to this model and hardware"
+        why = first_refusal(model, cluster, request)
+        return f"no runner runs what was asked: {why}" if why else "no strategy applies to this model and hardware"
     s, prof = c.strategy, c.profile
     if c.fits:  # memory is not what stops it: nothing allowed runs natively here
         return _not_native(model, cluster, request, c)

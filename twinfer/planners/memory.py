@@ -17,8 +17,9 @@ from twinfer.planners.model import ModelProfile
 
 RUNTIME_OVERHEAD = {"llamacpp": 0.3e9, "torch": 1.0e9, "mlx": 0.3e9}  # CUDA context, graphs, allocator slack
 # Runners whose cache keeps sliding-window layers at full length: twinfer's llama.cpp runner sets
-# `swa_full` so rollback and prefix copies stay exact, so every layer holds every token.
-FULL_LENGTH_KV = frozenset({"llamacpp"})
+# `swa_full` so rollback and prefix copies stay exact; the torch and MLX runners page every layer's
+# KV through the same block tables, so each layer holds every token.
+FULL_LENGTH_KV = frozenset({"llamacpp", "torch", "mlx"})
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinfer.planners.calibration import Calibration
-from twinfer.planners.cost import Strategy, prefill_time
+from twinfer.planners.cost import Strategy, kv_shard, prefill_time
 from twinfer.planners.explain import closest, explain, runners_up, smallest_change
 from twinfer.planners.hardware import GPU, Cluster
 from twinfer.planners.memory import max_concurrency, max_context
@@ -96,6 +96,8 @@ def _memory_json(c: Candidate) -> dict[str, Any]:
         "resident_weights_bytes_per_device": mem.resident_weights,
         "kv_bytes_per_token": mem.kv_bytes_per_token,
         "kv_bytes_per_device": mem.kv,
+        "kv_split_ways": kv_shard(c.profile, c.strategy),  # KV heads over TP (an MLA latent: replicated), layers over PP
+        "mla_latent_cache": ("replicated" if c.strategy.tp > 1 else "whole") if c.profile.spec.mla else None,
         "activation_bytes_per_device": mem.activations,
         "overhead_bytes_per_device": mem.overhead,
         "total_bytes": mem.total_bytes,

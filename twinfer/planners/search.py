@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from twinfer.planners.calibration import Calibration
 from twinfer.planners.cost import StepTime, Strategy, _native, decode_step, kv_native
+from twinfer.planners.executable import refusal
 from twinfer.planners.formats import (
     EMBED_TYPES,
     GOOD,
@@ -206,8 +207,24 @@ def enumerate_strategies(profile: ModelProfile, cluster: Cluster, request: Reque
                 for share in shares:
                     for p in prunes:
                         prof = pruned(profile, p) if p else profile
-                        out.append((Strategy(m, kv, engine, tp, ep, pp, dp, share, p), prof))
+                        s = Strategy(m, kv, engine, tp, ep, pp, dp, share, p)
+                        if not refusal(profile, s, cluster.device):  # never a plan the runner refuses
+                            out.append((s, prof))
     return out
+
+
+def first_refusal(profile: ModelProfile, cluster: Cluster, request: Request) -> str:
+    """Why the runners refuse the formats asked for ("" when some strategy is one they run)."""
+    target, half = target_of(cluster), half_dtype(cluster)
+    reasons = []
+    for m in weight_mixes(profile, target, request.weights_format, False, half):
+        engine = engine_for(m, cluster, target)
+        for kv in kv_formats(engine, request.kv_format, cluster.device.kind, half):
+            why = refusal(profile, Strategy(m, kv, engine), cluster.device)
+            if not why:
+                return ""
+            reasons.append(why)
+    return reasons[0] if reasons else ""
 
 
 def evaluate(profile: ModelProfile, cluster: Cluster, s: Strategy, request: Request, cal: Calibration) -> Candidate:

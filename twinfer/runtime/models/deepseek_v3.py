@@ -136,7 +136,7 @@ def _kv_b(part: str) -> Transform:
         nope, v, R = split(spec)
         return (s[0][0] // (nope + v), R, nope) if part == "k" else (s[0][0] // (nope + v), v, R)
 
-    return Transform(apply, shape)
+    return Transform(apply, shape, split=2)  # both parts come from one stored tensor: half its bytes each
 
 
 _A = L + "self_attn."
