@@ -288,6 +288,12 @@ def test_modelopt_nvfp4(tmp_path: Path, where: str) -> None:
         (folder / "config.json").write_text(json.dumps(config))
         producer = {"producer": {"name": "modelopt", "version": "0.29.0"}}
         (folder / "hf_quant_config.json").write_text(json.dumps(producer | {"quantization": quant}))
+        loaded = load_model(folder)  # the same bytes as the config variant, whose logits are checked
+        assert {loaded.weights.format_of(n) for n in loaded.weights.names()} == {"nvfp4", None}
+        q = loaded.weights["layers.0.q"]
+        np.testing.assert_array_equal(q.dequantize(), ref.get_parameter("model.layers.0.self_attn.q_proj.weight")
+                                      .detach().numpy())
+        return
     got = check(folder, ref, {"nvfp4"})
     assert got["resident"] == got["stored"]
 
