@@ -386,7 +386,7 @@ def plan_expert_budget(weights: WeightSet, budget: int, dtype_bytes: int, kv_tok
         resident += int(np.prod(weights.shape(name))) * dtype_bytes
     per_expert = expert_params(spec) * dtype_bytes
     n_experts = spec.moe.num_experts * sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
-    kv = kv_tokens * spec.num_layers * 2 * spec.kv_size * dtype_bytes
+    kv = int(kv_tokens * spec.kv_bytes_per_token(dtype_bytes))  # as the runner allocates it (MLA: the latent)
     # activations of one prefill chunk of 512 tokens, a few rows of logits, one layer's top_k experts mid-read
     act = 512 * (4 * spec.hidden_size + 3 * spec.moe.expert_intermediate_size) * 4 + spec.vocab_size * 16 * 4
     reserve = act + spec.moe.top_k * expert_params(spec) * 4
