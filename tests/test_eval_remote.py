@@ -26,7 +26,7 @@ pytest.importorskip("openai")
 
 from twinfer.app.models import open_model  # noqa: E402
 from twinfer.app.runners import RUNNERS  # noqa: E402
-from twinfer.quant.fidelity import RunnerSource, measure_kl  # noqa: E402
+from twinfer.quant.fidelity import RunnerSource  # noqa: E402
 from twinfer.quant.kl import log_softmax  # noqa: E402
 from twinfer.quant.remote import measure_remote_kl  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig  # noqa: E402
@@ -36,51 +36,78 @@ from twinfer.runtime.server import create_app  # noqa: E402
 from twinfer.runtime.server.serve import ServerThread  # noqa: E402
 from twinfer.runtime.tokenizer import load_tokenizer  # noqa: E402
 
-TOKENS, WINDOW = 64, 64
+TOKENS, WINDOW = 32, 33  # one window: BOS + 32 tokens, 32 scored rows
 NAME = "gemma-3-270m-q4_k_m"
 
 
-def serve(model: str | None, name: str) -> tuple[ServerThread, AsyncEngine]:
+def serve(model: str | None, name: str, prefix_cache: bool) -> tuple[ServerThread, AsyncEngine]:
     o = open_model(model, "llamacpp", max_seqs=2, ctx=512, threads=1)
-    engine = AsyncEngine(Engine(o.runner, o.tokenizer, EngineConfig(max_seqs=2, max_context=512)))
+    config = EngineConfig(max_seqs=2, max_context=512, enable_prefix_cache=prefix_cache)
+    engine = AsyncEngine(Engine(o.runner, o.tokenizer, config))
     engine.start()
     return ServerThread(create_app(engine, o.tokenizer, name)).start(), engine
 
 
 @pytest.fixture
-def served() -> Callable[[str | None, str], str]:
+def served() -> Iterator[Callable[..., str]]:
     running: list[tuple[ServerThread, AsyncEngine]] = []
 
-    def start(model: str | None, name: str) -> str:
-        running.append(serve(model, name))
+    def start(model: str | None, name: str, prefix_cache: bool = False) -> str:
+        running.append(serve(model, name, prefix_cache))
         return running[-1][0].url + "/v1"
 
-    yield start  # type: ignore[misc]
+    yield start
     for st, engine in running:
         st.call(engine.shutdown(drain=False))
         st.stop()
 
 
-def test_twinfer_serve_of_the_default_model_is_faithful(served: Callable[[str | None, str], str]) -> None:
+def test_twinfer_serve_of_the_default_model_is_faithful(served: Callable[..., str]) -> None:
     url = served(None, NAME)
     report = measure_remote_kl(None, "llamacpp", url, "prose", TOKENS, WINDOW, runners=RUNNERS)
-    assert report.kl.tokens == TOKENS - 1
+    assert report.kl.tokens == TOKENS
     assert report.kl.mean_kl <= 1e-3 and report.faithful, report
-    assert report.kl.top1_agreement >= 0.98
+    assert report.kl.top1_agreement == 1.0
     assert report.method == "token-by-token"  # twinfer serve refuses echo with logprobs
     assert report.served_model == NAME and report.tokenizer_check == "/tokenize"
     assert report.candidate_tail_mass > 0 and report.seconds > 0
 
 
-def test_q2_k_server_matches_local_kl_and_is_flagged(served: Callable[[str | None, str], str],
-                                                     default_model: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a prompt continued from prefix-cached KV on the llama.cpp runner gets other "
+                   "logits than the same prompt computed whole (measured: top-2 order swaps from the first reused block)")
+def test_twinfer_serve_with_prefix_cache_is_faithful(served: Callable[..., str]) -> None:
+    url = served(None, NAME, prefix_cache=True)
+    report = measure_remote_kl(None, "llamacpp", url, "prose", TOKENS, WINDOW, runners=RUNNERS)
+    assert report.kl.mean_kl <= 1e-3, report
+
+
+def _local_topk(candidate: str, k: int = 20) -> tuple[float, float]:
+    """(exact KL, top-k + tail estimate) between two local llama.cpp runners on the test's window."""
+    from twinfer.quant.fidelity import corpus_windows
+    from twinfer.quant.kl import kl_rows
+    from twinfer.quant.topk_kl import topk_kl_rows, truncate_top_k
+
+    (w,) = corpus_windows(None, "prose", TOKENS, WINDOW)
+    p = RunnerSource(open_model(None, "llamacpp", max_seqs=2, ctx=256).runner).logits(w)[:-1]
+    q = RunnerSource(open_model(candidate, "llamacpp", max_seqs=2, ctx=256).runner).logits(w)[:-1]
+    return float(kl_rows(p, q).mean()), float(topk_kl_rows(p, truncate_top_k(q, k))[0].mean())
+
+
+@pytest.fixture(scope="module")
+def q2_k(default_model: Path) -> Path:
     from twinfer.backends.llamacpp.requantize import requantize_gguf
 
-    q2 = requantize_gguf(default_model, "q2_k", "MOSTLY_Q2_K")
-    local = measure_kl(None, "llamacpp", str(q2), "prose", TOKENS, WINDOW, runners=RUNNERS)
-    remote = measure_remote_kl(None, "llamacpp", served(str(q2), "q2"), "prose", TOKENS, WINDOW, runners=RUNNERS)
-    assert local.mean_kl > 0.05  # Q2_K of a 270M model is far from faithful
-    assert abs(remote.kl.mean_kl - local.mean_kl) <= 0.2 * local.mean_kl, (remote.kl.mean_kl, local.mean_kl)
+    return requantize_gguf(default_model, "q2_k", "MOSTLY_Q2_K")
+
+
+@pytest.mark.slow
+def test_q2_k_server_matches_local_estimate_and_is_flagged(served: Callable[..., str], q2_k: Path) -> None:
+    exact, local = _local_topk(str(q2_k))
+    remote = measure_remote_kl(None, "llamacpp", served(str(q2_k), "q2"), "prose", TOKENS, WINDOW, runners=RUNNERS)
+    assert exact > 0.05  # Q2_K of a 270M model is far from faithful
+    assert abs(remote.kl.mean_kl - local) <= 0.2 * local, (remote.kl.mean_kl, local)
+    assert remote.kl.mean_kl <= exact * 1.01  # a lower bound on the exact KL
     assert not remote.faithful and any(line.strip().startswith("FLAGGED") for line in remote.lines())
     assert remote.as_dict()["faithful"] is False and remote.as_dict()["served_model"] == "q2"
 
@@ -158,9 +185,14 @@ def _completion(logprobs: dict[str, Any] | None) -> dict[str, Any]:
             "choices": [{"index": 0, "text": "x", "finish_reason": "length", "logprobs": logprobs}]}
 
 
-def test_echo_prompt_logprobs_are_used_where_the_endpoint_gives_them(stub: Callable[..., Stub]) -> None:
+@pytest.mark.parametrize("candidate", ["default", "q2_k"])
+def test_echo_prompt_logprobs_are_used_where_the_endpoint_gives_them(stub: Callable[..., Stub], candidate: str,
+                                                                     request: pytest.FixtureRequest) -> None:
+    """A stub that computes prompt logprobs with llama.cpp: one request per window; the same file is
+    faithful, its Q2_K requantization is flagged at the local top-20 estimate, below the exact KL."""
     tok = load_tokenizer(None)
-    source = RunnerSource(open_model(None, "llamacpp", max_seqs=2, ctx=256, threads=1).runner)  # the stub's model
+    path = None if candidate == "default" else str(request.getfixturevalue("q2_k"))
+    source = RunnerSource(open_model(path, "llamacpp", max_seqs=2, ctx=256, threads=1).runner)  # the stub's model
     calls: list[bool] = []
 
     def complete(body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -171,10 +203,15 @@ def test_echo_prompt_logprobs_are_used_where_the_endpoint_gives_them(stub: Calla
         return 200, _completion({"tokens": [], "token_logprobs": [], "top_logprobs": tops, "text_offset": []}), {}
 
     s = stub({"/v1/models": _models, "/tokenize": _tokenize(), "/v1/completions": complete})
-    report = measure_remote_kl(None, "llamacpp", s.url, "prose", 32, 33, runners=RUNNERS, top_k=10)
-    assert report.method == "echo" and calls == [True]  # the whole window (BOS + 32 tokens) in one request
-    assert report.kl.mean_kl <= 1e-6 and report.kl.top1_agreement == 1.0  # the same llama.cpp arithmetic
+    report = measure_remote_kl(None, "llamacpp", s.url, "prose", TOKENS, WINDOW, runners=RUNNERS)
+    assert report.method == "echo" and calls == [True]  # the whole window in one request
     assert report.system_fingerprint == "fp-stub" and report.served_model == "stub"
+    if path is None:
+        assert report.kl.mean_kl <= 1e-6 and report.kl.top1_agreement == 1.0 and report.faithful
+        return
+    exact, local = _local_topk(path)
+    assert report.kl.mean_kl == pytest.approx(local, rel=1e-3) and report.kl.mean_kl <= exact
+    assert not report.faithful and report.lines()[-1].strip().startswith("FLAGGED")
 
 
 def test_endpoint_without_logprobs_is_refused(stub: Callable[..., Stub]) -> None:
