@@ -16,6 +16,7 @@ import pytest
 
 from twinfer.runtime.batch import SeqChunk, StepBatch
 from twinfer.runtime.engine.bill import Bill, charge_step, merge_costs
+from twinfer.runtime.engine.params import GuardConfig
 from twinfer.runtime.kv.traffic import StepTraffic
 
 PHASES = ("queue", "kv_transfer", "prefill", "decode", "spec_verify")
@@ -48,6 +49,36 @@ def test_bill_times_partition_the_wall_time() -> None:
     assert t == pytest.approx({"queue": 500.0, "kv_transfer": 500.0, "prefill": 1500.0, "decode": 1500.0,
                                "spec_verify": 1000.0, "total": 5000.0})
     assert merge_costs([cost, cost])["tokens"]["output"] == 8
+
+
+def test_torch_bill_with_speculation(tmp_path: Any) -> None:
+    """The torch runner's traffic: its cache's exact KV bytes, experts apart; drafted decodes bill their verification."""
+    pytest.importorskip("torch")
+    from twinfer.backends.cuda.runner import build_torch_runner
+    from twinfer.runtime.engine import Engine, EngineConfig, SamplingParams
+    from twinfer.runtime.loaders import load_model
+    from twinfer.runtime.speculative.ngram import NgramProposer
+    from twinfer.runtime.synthetic import SyntheticMoE, write_synthetic_moe
+
+    shape = SyntheticMoE(hidden=64, intermediate=32, layers=2, experts=4, top_k=2, vocab=96, heads=4, kv_heads=2,
+                         head_dim=16)
+    write_synthetic_moe(tmp_path, shape)
+    loaded = load_model(tmp_path)
+    runner = build_torch_runner(loaded.spec, loaded.weights, kv_tokens=256)
+    t = runner.traffic
+    assert t is not None
+    assert t.kv_bytes_per_token == loaded.spec.kv_bytes_per_token(4.0)  # float32 K and V
+    assert t.expert_bytes * t.num_experts * t.moe_layers == shape.expert_bytes  # routed experts, counted apart
+    engine = Engine(runner, None, EngineConfig(max_seqs=2, max_context=256), proposer=NgramProposer(min_n=1))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, guard=GuardConfig(enabled=False))
+    out = engine.generate([[5, 6, 7, 8] * 6], params)[0]
+    cost = out.cost
+    assert cost is not None
+    tokens, times = cost["tokens"], cost["time_ms"]
+    assert tokens["spec_proposed"] > 0 and 0 <= tokens["spec_accepted"] <= tokens["spec_proposed"]
+    assert times["spec_verify"] > 0
+    assert sum(times[p] for p in PHASES) == pytest.approx(times["total"], rel=1e-6)
+    assert cost["bytes"]["weights_read"] > 0 and cost["bytes"]["experts_read"] > 0 and tokens["computed"] == 24
 
 
 # -- the default model, through the engine and the server ----------------------------------------------

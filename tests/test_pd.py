@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation over loopback: a prefill replica computes the prompt's KV, a decode
 replica fetches it through the KV connector (runtime/kv/connector.py, TCP) and continues.
 
-Each backend's replicas run in this process (two apps, two engines, two runners, the KV over TCP);
+Each backend's replicas (a tiny random qwen3_moe on torch, the default GGUF on llama.cpp) run in this process (two apps, two engines, two runners, the KV over TCP);
 the proxy (app/pd.py) pairs them. Greedy text through the proxy must equal one server's; the
 transferred bytes must be the prompt's KV; a KV that never arrives makes the decode replica
 recompute, and no KV block stays in use anywhere.
@@ -31,15 +31,18 @@ from twinfer.runtime.server.serve import ServerThread  # noqa: E402
 CTX, SEQS = 256, 4
 
 
-def _char_tokenizer(folder: Path) -> None:
-    """A 96-token character tokenizer matching the tiny model's vocabulary."""
-    import transformers
+def tiny_moe(folder: Path) -> str:
+    """A random-weight qwen3_moe folder with a 96-token character tokenizer (no transformers needed)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {chr(32 + i): i for i in range(95)} | {"<unk>": 95}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    from twinfer.runtime.synthetic import SyntheticMoE, write_synthetic_moe
+
+    write_synthetic_moe(folder, SyntheticMoE(hidden=64, intermediate=32, layers=2, experts=4, top_k=2, vocab=96,
+                                             heads=4, kv_heads=2, head_dim=16))
+    tok = Tokenizer(models.WordLevel({chr(32 + i): i for i in range(95)} | {"<unk>": 95}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
 
 
 class Replica:
@@ -73,12 +76,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         model = None  # the embedded default GGUF
         prompt: Any = "The three primary colors are red, yellow and"
     else:
-        from tests.fixtures_models import hf_model
-
-        folder = tmp_path_factory.mktemp("tiny-llama")
-        hf_model("llama").save_pretrained(folder)
-        _char_tokenizer(folder)
-        model = str(folder)
+        model = tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
         prompt = "a prompt of some forty characters, more or less"
     prefill = Replica(model, request.param, "prefill-0")
     decode = Replica(model, request.param, "decode-0")
