@@ -150,7 +150,7 @@ def _compare(result: StageResult, ref: np.ndarray, out: np.ndarray, a: ds.Allowa
 
 def build_stages(path: Any, spec: Any, n_tokens: int, memory_budget: str | None) -> list[ds.Stage]:
     """The stages that apply to this model, each with its base; stages that cannot run here say why."""
-    from twinfer.app import doctor_build as b
+    import twinfer.app.doctor_build as b
 
     ctx = max(256, -(-(n_tokens * 2 + SPEC_TOKENS) // 256) * 256)
     fault = ds.fault_request()

@@ -112,9 +112,10 @@ class Endpoint:
             return None
         lp = getattr(out.choices[0], "logprobs", None)
         tops = getattr(lp, "top_logprobs", None) if lp is not None else None
-        self.echo = tops is not None and len(tops) >= len(prompt)
-        if not self.echo:
+        if tops is None or len(tops) < len(prompt):
+            self.echo = False
             return None
+        self.echo = True
         self.system_fingerprint = getattr(out, "system_fingerprint", None) or self.system_fingerprint
         return list(tops)
 
@@ -244,7 +245,9 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
             continue
         rows, method = endpoint_rows(endpoint, w, top_k, pieces)
         kl, agree, tail = topk_kl_rows(ref.logits(w)[:-1], rows)
-        kls.append(kl), agrees.append(agree), tails.append(tail)
+        kls.append(kl)
+        agrees.append(agree)
+        tails.append(tail)
     report = _kl_report(reference, url, str(corpus), kls, agrees)
     return RemoteKLReport(report, url, endpoint.model, endpoint.system_fingerprint, time.perf_counter() - start,
                           method, top_k, how, float(np.concatenate(tails).mean()), threshold)
