@@ -149,7 +149,7 @@ async def create(state: ServerState, request: Request, body: ResponsesRequest) -
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []}
 
 
 def _call_item(c: ToolCall, status: str = "completed") -> dict[str, Any]:
@@ -179,11 +179,11 @@ def response_body(f: Follower, body: ResponsesRequest, output: list[dict[str, An
         "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
         "store": False, "truncation": "disabled",
-        "usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens,
-                  "total_tokens": f.prompt_tokens + f.completion_tokens,
-                  "input_tokens_details": {"cached_tokens": f.cached_tokens},
-                  "output_tokens_details": {"reasoning_tokens": 0},
-                  **({"cost": f.cost} if f.cost is not None else {})} if done else None,
+        **({"usage": {"input_tokens": f.prompt_tokens, "output_tokens": f.completion_tokens,
+                      "total_tokens": f.prompt_tokens + f.completion_tokens,
+                      "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      **({"cost": f.cost} if f.cost is not None else {})}} if done else {}),  # none until done
     }
 
 
@@ -216,7 +216,7 @@ async def _events(request: Request, choices: list[Choice], f: Follower, body: Re
                         output.append(_message_item(message_id, "", "in_progress"))
                         yield ev("response.output_item.added", output_index=len(output) - 1, item=output[-1])
                         yield ev("response.content_part.added", item_id=message_id, output_index=len(output) - 1,
-                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                                 content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                     yield ev("response.output_text.delta", item_id=message_id, output_index=len(output) - 1,
                              content_index=0, delta=delta.content, logprobs=[])
                 for c in delta.calls:
