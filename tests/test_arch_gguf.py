@@ -203,3 +203,14 @@ def test_generate_uses_the_files_chat_template(case: str) -> None:
         assert r.exit_code == 0, r.output
         texts[backend] = r.stdout
     assert texts["llamacpp"].strip() and texts["llamacpp"] == texts["torch"], texts
+
+
+def test_a_softmax_routed_deepseek2_file_is_refused_by_name(tmp_path: Path) -> None:
+    """DeepSeek-V2 files carry no gating key and route by softmax, which twinfer's deepseek_v3 does not run."""
+    from twinfer.quant.gguf_rewrite import SKIP, rewrite_gguf
+    from twinfer.runtime.errors import UnsupportedArchitecture
+
+    legacy = rewrite_gguf(gguf_files()["deepseek_v3"], tmp_path / "v2.gguf",
+                          values=lambda key, v: SKIP if key == "deepseek2.expert_gating_func" else v)
+    with pytest.raises(UnsupportedArchitecture, match=r"deepseek2\.expert_gating_func is absent \(softmax\)"):
+        load_model(legacy)
