@@ -169,11 +169,13 @@ def main() -> None:
                    "gateway": "smg " + _version("smg"), "python": sys.version.split()[0]},
         "traffic": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
     }
+    partial = Path(args.out).with_suffix(".partial.json")
     for policy in ("cache_aware", "round_robin"):
         with start(args, 2, policy, max(1, args.cores // 2)) as cluster:
             result[f"tenants_{policy}"] = tenants_run(cluster, args)
             if policy == "round_robin" and not args.skip_throughput:
                 result["throughput_2_replicas"] = throughput_run(cluster, args)
+        partial.write_text(json.dumps(result, indent=1) + "\n")  # a later failure keeps what was measured
     if not args.skip_throughput:
         with start(args, 1, "round_robin", args.cores) as cluster:
             result["throughput_1_replica"] = throughput_run(cluster, args)

@@ -139,7 +139,10 @@ def http_status(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback URLs we built
             return int(r.status), r.read()
     except urllib.error.HTTPError as e:
-        return int(e.code), e.read()
+        try:
+            return int(e.code), e.read()
+        except OSError:  # the body timed out: the status is still the answer
+            return int(e.code), b""
     except (OSError, ValueError):
         return 0, b""
 
