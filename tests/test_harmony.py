@@ -191,3 +191,49 @@ def test_gpt_oss_chat_through_the_server() -> None:
     finally:
         st.call(engine.shutdown(drain=False), timeout_s=10)
         st.stop()
+
+
+@pytest.mark.slow  # minutes on a loaded 2-core box; test_gpt_oss_chat_through_the_server covers the path
+def test_a_tiny_gpt_oss_model_calls_a_tool_through_the_server(tmp_path: Path) -> None:
+    """A random-weight gpt-oss (transformers) saved with the harmony tokenizer and template, loaded
+    and served by twinfer: the forced call parses and matches its schema."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    openai = pytest.importorskip("openai")
+    from twinfer.backends.cuda.runner import build_torch_runner
+    from twinfer.runtime.engine.async_engine import AsyncEngine
+    from twinfer.runtime.loaders import load_model
+    from twinfer.runtime.server import create_app
+    from twinfer.runtime.server.serve import ServerThread
+
+    tok = harmony_tokenizer()
+    eos = sorted(tok.eos_ids)
+    config = transformers.GptOssConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                       sliding_window=8, max_position_embeddings=4096, eos_token_id=eos)
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(config).save_pretrained(tmp_path)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token="<|return|>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(tmp_path)
+    served = Tokenizer.from_hf(tmp_path)
+    assert served.eos_ids == set(eos)
+    loaded = load_model(tmp_path)
+    assert loaded.spec.model_type == "gpt_oss"
+    weights = {name: loaded.weights.load(name) for name in loaded.weights.names()}
+    runner = build_torch_runner(loaded.spec, weights, kv_tokens=4096, block_size=16)
+    engine = AsyncEngine(Engine(runner, served, EngineConfig(max_seqs=2, max_context=2048)))
+    engine.start()
+    st = ServerThread(create_app(engine, served, "oss", guard=NO_GUARD)).start()
+    try:
+        client = openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="oss", messages=[{"role": "user", "content": "Add 3."}],
+                                           tools=TOOLS, max_tokens=200, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["add"]
+        jsonschema.validate(json.loads(calls[0].function.arguments), ADD)
+    finally:
+        st.call(engine.shutdown(drain=False), timeout_s=10)
+        st.stop()
