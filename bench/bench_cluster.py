@@ -138,9 +138,7 @@ def throughput_run(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]
 def start(args: argparse.Namespace, replicas: int, policy: str, threads: int) -> Cluster:
     cfg = ClusterConfig(args.model, replicas=replicas, policy=policy, port=0, threads=threads, ctx=args.ctx,
                         max_seqs=args.max_seqs, log_dir=Path(args.log_dir))
-    cluster = Cluster(cfg)
-    cluster.start()
-    return cluster
+    return Cluster(cfg)  # started by `with`
 
 
 def main() -> None:

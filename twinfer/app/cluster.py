@@ -191,6 +191,8 @@ class Cluster:
 
     def start(self) -> None:
         """Start every replica, wait until each answers /health, then start the gateway and wait for it."""
+        if self.replicas:
+            raise TwinferError("this cluster is already started")
         if importlib.util.find_spec("smg") is None:
             raise TwinferError("twinfer cluster runs SGLang's Model Gateway: pip install smg")
         self._ports = free_ports(2 * self.cfg.num_replicas, self.cfg.host)
