@@ -103,10 +103,11 @@ def test_injected_fault_is_named(root: str, monkeypatch: pytest.MonkeyPatch) -> 
                         skip=("torch greedy", "torch + ngram speculation", "TP=2 (gloo)"))
     first = report.first_divergence
     assert first is not None and first.stage == "mlx" and first.base == "torch", report.lines()
-    assert "injected fault" in first.note and first.mean_kl > 1e-3
+    assert "injected fault" in first.note and first.mean_kl > 100 * first.max_kl
     assert any(line.startswith("first divergence: mlx") for line in report.lines())
 
 
+@pytest.mark.slow
 def test_doctor_default_model_cli_json(tmp_path: Path) -> None:
     out = tmp_path / "doctor.json"
     args = ["doctor", "--tokens", "32", "--json", str(out)]

@@ -133,7 +133,10 @@ def speculative(path: Path, backend: str, ctx: int) -> list[ds.Stage]:
             from twinfer.app.session import OpenOptions, open_session
             from twinfer.runtime.engine import GuardConfig, SamplingParams
 
-            session = open_session(OpenOptions(str(path), backend, max_seqs=1, ctx=ctx, speculate=speculate))
+            # speculation verifies on llama.cpp's row-invariant (unrepacked) weights; the plain run uses the same
+            options = {"repack": False} if backend == "llamacpp" else {}
+            session = open_session(OpenOptions(str(path), backend, max_seqs=1, ctx=ctx, speculate=speculate,
+                                               runner_options=options))
             params = SamplingParams(max_tokens=SPEC_TOKENS, temperature=0.0, ignore_eos=True,
                                     guard=GuardConfig(enabled=False))
             try:
@@ -143,6 +146,7 @@ def speculative(path: Path, backend: str, ctx: int) -> list[ds.Stage]:
 
         return generate
 
+    note = "both on unrepacked weights (what speculation verifies on)" if backend == "llamacpp" else ""
     return [ds.Stage(plain, None, ds.Allowance(None, False, "generation, the base of the next stage"),
-                     generate=run("off")),
+                     generate=run("off"), note=note),
             ds.Stage(spec, plain, ds.GENERATION, generate=run("ngram"))]
