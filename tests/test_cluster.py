@@ -260,7 +260,8 @@ def test_kv_events_reach_a_zmq_subscriber_in_vllm_format(cluster: RunningCluster
 
 
 def _stream(url: str, prompt: str, max_tokens: int, out: dict[str, Any], timeout_s: float) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 1.0,
+            "seed": 7}  # sampled: a greedy story may loop and stop early (the loop guard), before the kill
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
     t0 = time.monotonic()
     chunks: list[str] = []
@@ -284,7 +285,7 @@ def test_killed_replica_ends_streams_and_the_others_serve(cluster: RunningCluste
     timeout_s = 60.0
     streams: list[dict[str, Any]] = [{} for _ in range(4)]
     threads = [threading.Thread(target=_stream, args=(cluster.url, f"Tenant {i} writes a long story: " * (2 + i),
-                                                     80, streams[i], timeout_s)) for i in range(4)]
+                                                     160, streams[i], timeout_s)) for i in range(4)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
@@ -303,7 +304,7 @@ def test_killed_replica_ends_streams_and_the_others_serve(cluster: RunningCluste
     assert not any(t.is_alive() for t in threads), "a client waited past its timeout"
     assert [s for s, _ in after] == [200] * 6, f"requests admitted after the kill: {[s for s, _ in after]}"
     for s in streams:  # each stream either finishes or ends with the gateway's error event; none hangs
-        finished = re.search(r'"finish_reason":"(length|stop)"', s.get("text", "")) is not None
+        finished = re.search(r'"finish_reason":"[a-z_]+"', s.get("text", "")) is not None
         s["cut"] = 'data: {"error"' in s.get("text", "") or "error" in s
         assert finished != s["cut"] and s["elapsed"] < timeout_s, s
     assert any(s["cut"] for s in streams), "no stream on the killed replica was cut"
