@@ -34,6 +34,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _counters(url: str) -> dict[str, float]:
+    """The grammar-mask counters from the server's /metrics (Prometheus text)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("twinfer_mask_seconds_total", "twinfer_mask_steps_total", "twinfer_engine_steps_total"):
+            out[name] = float(value)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None, help="default: twinfer serve's own default")
@@ -62,11 +74,18 @@ def main() -> None:
         runs: list[dict[str, Any]] = []
         for _ in range(args.rounds):
             for name, extra in (("unconstrained", {}), ("json_schema", {"json_schema": SCHEMA})):
+                before = _counters(url)
                 r = run_http_bench(url, [args.clients], 64, 64, requests_per_client=args.requests, extra_body=extra)
+                after = _counters(url)
+                delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                masked = delta.get("twinfer_mask_steps_total", 0.0)
                 res = r["results"][0]
                 runs.append({"mode": name, "output_tokens_per_s": res["output_tokens_per_s"],
                              "output_tokens": res["output_tokens"], "requests": res["requests"],
-                             "tpot_p50_s": res["tpot_p50_s"], "ttft_p50_s": res["ttft_p50_s"], "build": r["build"]})
+                             "tpot_p50_s": res["tpot_p50_s"], "ttft_p50_s": res["ttft_p50_s"], "build": r["build"],
+                             "engine_steps": delta.get("twinfer_engine_steps_total", 0.0), "masked_steps": masked,
+                             "mask_ms_per_masked_step": 1e3 * delta.get("twinfer_mask_seconds_total", 0.0) / masked
+                             if masked else 0.0})
     finally:
         proc.terminate()
         proc.wait(timeout=60)
