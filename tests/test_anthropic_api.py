@@ -15,7 +15,7 @@ anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_server import MODEL, Tiny, build_tiny  # noqa: E402
+from test_server import MODEL, Tiny, build_tiny, one_torch_thread  # noqa: E402
 from test_server_agent import WEATHER, serving  # noqa: E402
 
 from twinfer.runtime.server.serve import ServerThread  # noqa: E402
@@ -26,10 +26,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Tiny]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield build_tiny()
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield build_tiny()
 
 
 @pytest.fixture(scope="module")

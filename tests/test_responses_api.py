@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_server import MODEL, build_tiny, client  # noqa: E402
+from test_server import MODEL, build_tiny, client, one_torch_thread  # noqa: E402
 from test_server_agent import WEATHER, serving  # noqa: E402
 
 from twinfer.runtime.server.serve import ServerThread  # noqa: E402
@@ -24,11 +24,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[ServerThread]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with serving(build_tiny()) as st:
+    with one_torch_thread(), serving(build_tiny()) as st:
         yield st
-    torch.set_num_threads(threads)
 
 
 def test_text_response_equals_chat(srv: ServerThread) -> None:

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_server import MODEL, build_tiny  # noqa: E402
+from test_server import MODEL, build_tiny, one_torch_thread  # noqa: E402
 from test_server_agent import WEATHER, serving  # noqa: E402
 from test_server_openapi import openapi_nullable  # noqa: E402
 
@@ -43,11 +43,8 @@ REQUEST, RESPONSE, EVENT = (validator(n) for n in ("CreateResponse", "Response",
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[ServerThread]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with serving(build_tiny()) as st:
+    with one_torch_thread(), serving(build_tiny()) as st:
         yield st
-    torch.set_num_threads(threads)
 
 
 def call(st: ServerThread, body: dict[str, Any]) -> Any:

@@ -74,12 +74,22 @@ def char_tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Tiny]:
-    # One torch thread: an OpenMP pool spinning on both cores of a small machine stalls whenever the
-    # server's event loop runs (50x slower steps under load); `twinfer serve` leaves a core free too.
+    with one_torch_thread():
+        yield build_tiny()
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model's steps on one torch thread, for tests that serve it in this process.
+
+    An OpenMP pool spinning on both cores of a small machine stalls whenever the server's event loop
+    runs (50x slower steps under load)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield build_tiny()
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def build_tiny() -> Tiny:

@@ -22,7 +22,7 @@ pydantic = pytest.importorskip("pydantic")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_server import MODEL, NO_GUARD, Tiny, build_tiny, client, metric  # noqa: E402
+from test_server import MODEL, NO_GUARD, Tiny, build_tiny, client, metric, one_torch_thread  # noqa: E402
 
 from twinfer.backends.cuda.runner import build_torch_runner  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig  # noqa: E402
@@ -54,10 +54,8 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Tiny]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield build_tiny()
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield build_tiny()
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 
-from test_server import MODEL, NO_GUARD, Tiny, build_tiny  # noqa: E402
+from test_server import MODEL, NO_GUARD, Tiny, build_tiny, one_torch_thread  # noqa: E402
 
 import twinfer.runtime.constraints.compile as compile_mod  # noqa: E402
 from twinfer.backends.cuda.runner import build_torch_runner  # noqa: E402
@@ -37,10 +37,8 @@ JSON_ASK = {"model": MODEL, "messages": [{"role": "user", "content": "a person"}
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Tiny]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield build_tiny()
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield build_tiny()
 
 
 def _engine(tiny: Tiny) -> AsyncEngine:

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_server import build_tiny  # noqa: E402
+from test_server import build_tiny, one_torch_thread  # noqa: E402
 from test_server_agent import ASK, TOOLS, serving  # noqa: E402
 
 from twinfer.runtime.server.serve import ServerThread  # noqa: E402
@@ -59,11 +59,8 @@ TEXT_MID = validator("CreateCompletionResponse", relax=True)
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[ServerThread]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with serving(build_tiny()) as st:
+    with one_torch_thread(), serving(build_tiny()) as st:
         yield st
-    torch.set_num_threads(threads)
 
 
 def post(st: ServerThread, path: str, body: dict[str, Any]) -> Any:
