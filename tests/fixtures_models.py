@@ -234,3 +234,24 @@ def ggml_dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> 
     )
     _row_fn(lib, name)(src.ctypes.data, dst.ctypes.data, dst.size)
     return dst
+
+
+def random_causal_lm(prefix: str, config: dict[str, Any]) -> Any:
+    """transformers' `<prefix>ForCausalLM` with seeded random weights scaled for O(1) logits: norms
+    near 1, biases, attention sinks and router score biases non-zero (they all change the output)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, prefix + "ForCausalLM")(getattr(transformers, prefix + "Config")(**config)).eval()
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.5 if name.endswith(("sinks", "e_score_correction_bias")) else 0.1)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.5)
+            elif p.is_floating_point() and p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    return model

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llama_cpp")
 
+from fixtures_models import random_causal_lm  # noqa: E402
 from gguf_convert import FAMILIES, convert_many, save_tiny_tokenizer  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -86,20 +87,7 @@ def _config(case: str) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
 
 def _hf_model(case: str) -> Any:
     prefix, _, kwargs, _ = _config(case)
-    config = getattr(transformers, prefix + "Config")(**{**BASE, **kwargs})
-    torch.manual_seed(0)
-    model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
-    with torch.no_grad():  # O(1) logits; norms, biases, sinks and router biases all matter
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith(("bias", "sinks")):
-                p.normal_(0.0, 0.5 if name.endswith(("sinks", "e_score_correction_bias")) else 0.1)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 0.5)
-            elif p.is_floating_point() and p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-    return model
+    return random_causal_lm(prefix, {**BASE, **kwargs})
 
 
 def _save_mxfp4(model: Any, folder: Path) -> None:

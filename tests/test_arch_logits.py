@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fixtures_models import random_causal_lm
 
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.errors import UnsupportedArchitecture
@@ -84,20 +85,7 @@ _ROOT = tempfile.TemporaryDirectory()
 @cache
 def hf_model(case: str) -> Any:
     prefix, kwargs = CASES[case]
-    config = getattr(transformers, prefix + "Config")(**{**BASE, **kwargs})
-    torch.manual_seed(0)
-    model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
-    with torch.no_grad():  # O(1) logits; norms, biases, sinks and router biases all matter
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith(("bias", "sinks")):
-                p.normal_(0.0, 0.5 if name.endswith(("sinks", "e_score_correction_bias")) else 0.1)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 0.5)
-            elif p.is_floating_point() and p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-    return model
+    return random_causal_lm(prefix, {**BASE, **kwargs})
 
 
 @cache

@@ -20,7 +20,7 @@ from twinfer.runtime.synthetic import greedy_tokens
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.test_arch_logits import saved  # noqa: E402
+from test_arch_logits import saved  # noqa: E402
 
 PROMPT = [3, 17, 99, 5, 64, 120, 8, 41, 77, 2, 56]
 STEPS = 8

@@ -17,7 +17,8 @@ from twinfer.runtime.loaders import load_model
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.test_arch_logits import PROMPT_A, TOL, hf_logits, saved  # noqa: E402
+from test_arch_logits import PROMPT_A, TOL, hf_logits, saved  # noqa: E402
+
 from twinfer.backends.cuda.window import build_windowed_torch_runner  # noqa: E402
 
 BLOCK = 2

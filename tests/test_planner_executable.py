@@ -24,7 +24,8 @@ from twinfer.runtime.loaders import load_model
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.test_arch_logits import saved  # noqa: E402
+from test_arch_logits import saved  # noqa: E402
+
 from twinfer.backends.cuda.runner import load_torch_runner  # noqa: E402
 
 CASES = ["glm4_moe-a", "glm4_moe-b", "deepseek_v3-a", "deepseek_v3-b", "deepseek_v3-c", "gpt_oss-a", "gpt_oss-b"]
