@@ -3,7 +3,8 @@
     python bench/bench_peers.py --llama-bin /path/to/llama.cpp/build/bin [--only single,batch,serve]
 
 Build the peers from the llama-cpp-python sdist's vendored llama.cpp (docs/benchmarks.md says how).
-Three pairs, each interleaved twice, best of each side:
+Three pairs, interleaved `--rounds` times (default 3); the ratios are the median of the per-round
+ratios (each round runs both sides back to back), with the best-of-each-side ratio beside them:
 1. single stream: `twinfer bench -c 1` (64-token prompt, 128 tokens) vs `llama-bench -p 0 -n 128` (tg128);
 2. 16 streams: `twinfer bench -c 16 -p 64 -o 64` vs the perfect-batching ceiling (bench_engine.ceiling);
 3. HTTP: `twinfer serve` vs `llama-server -np 16`, both driven by `twinfer bench --url` (16 clients,
@@ -112,6 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-bin", type=Path, required=True, help="folder holding llama-bench and llama-server")
     ap.add_argument("--only", default="plan,single,batch,serve")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each pair")
     args = ap.parse_args()
     model = default_model_path()
     parts = set(args.only.split(","))
@@ -119,7 +121,7 @@ def main() -> None:
                            "model": model.name}
     if "plan" in parts:
         out["plan_vs_bench"] = plan_vs_bench()
-    for _ in range(2):
+    for _ in range(args.rounds):
         if "single" in parts:
             out.setdefault("single", []).append({**twinfer_single(),
                                                  "llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)})
@@ -136,15 +138,16 @@ def main() -> None:
     best = {k: {f: max(r[f] for r in rows if isinstance(r[f], float)) for f in rows[0] if isinstance(rows[0][f], float)}
             for k, rows in out.items() if k in ("single", "batch", "serve")}
     out["best"] = best
-    ratios = {}
-    if "single" in best:
-        tg = best["single"]["llama_bench_tg128_tok_s"]
-        ratios["bench_c1_decode_vs_llama_bench"] = best["single"]["twinfer_bench_c1_decode_tok_s"] / tg
-        ratios["bench_c1_output_vs_llama_bench"] = best["single"]["twinfer_bench_c1_tok_s"] / tg
-    if "batch" in best:
-        ratios["bench_c16_vs_ceiling"] = best["batch"]["twinfer_bench_c16_tok_s"] / best["batch"]["ceiling_tok_s"]
-    if "serve" in best:
-        ratios["serve_vs_llama_server"] = best["serve"]["twinfer_serve_tok_s"] / best["serve"]["llama_server_tok_s"]
+    pairs = {"bench_c1_decode_vs_llama_bench": ("single", "twinfer_bench_c1_decode_tok_s", "llama_bench_tg128_tok_s"),
+             "bench_c1_output_vs_llama_bench": ("single", "twinfer_bench_c1_tok_s", "llama_bench_tg128_tok_s"),
+             "bench_c16_vs_ceiling": ("batch", "twinfer_bench_c16_tok_s", "ceiling_tok_s"),
+             "serve_vs_llama_server": ("serve", "twinfer_serve_tok_s", "llama_server_tok_s")}
+    ratios: dict[str, Any] = {}
+    for name, (part, ours_key, theirs_key) in pairs.items():
+        if part in best:
+            per_round = sorted(r[ours_key] / r[theirs_key] for r in out[part])
+            ratios[name] = {"median": per_round[len(per_round) // 2], "per_round": per_round,
+                            "best_vs_best": best[part][ours_key] / best[part][theirs_key]}
     out["ratios"] = ratios
     print(json.dumps(out, indent=1, default=str))
 

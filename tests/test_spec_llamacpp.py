@@ -145,7 +145,7 @@ def test_invariant_mode_pads_lone_rows_so_long_contexts_batch_exactly() -> None:
     """Past 256 cells a lone decode row would take flash attention's split-KV path; padded, two
     long streams decoding together equal each alone (no speculation involved)."""
     e = engine(batch_invariant=True, max_prefill_chunk=32)
-    assert e.exact is not None and e.exact.reserved_seqs == 1  # lone rows get the runner's pad sequence
+    assert e.pad_lone_rows
     together = e.generate([prompts()[6], prompts()[7]], GREEDY)
     assert [tuple(o.token_ids) for o in together] == [plain(6, invariant=True), plain(7, invariant=True)]
 

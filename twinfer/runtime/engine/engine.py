@@ -143,6 +143,11 @@ class Engine:
         self.scheduler.external = lambda r: connector.get_num_new_matched_tokens(r, r.num_computed)
 
     @property
+    def pad_lone_rows(self) -> bool:
+        """Whether exact steps hand the runner lone rows to pad (it reserved sequences for that)."""
+        return self.exact is not None and self.exact.reserved_seqs > 0
+
+    @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
