@@ -23,6 +23,9 @@ class TorchKVPort:
     def num_layers(self) -> int:
         return self.ops.spec.num_layers
 
+    def kv_bytes(self, layer: int, data: bytes) -> int:
+        return len(data)  # K and V rows alone, no framing
+
     def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
         bs = self.ops.block_size
         if len(table) * bs < num_tokens:

@@ -5,6 +5,8 @@ remote prefill's KV), prefill (first scheduled -> first token), decode and specu
 (the steps of the decode phase that verified drafts), so they add up to its wall time. Bytes come
 from the runner's per-step accounting (`StepTraffic`): weights and experts read by a step are shared
 out over the step's tokens, KV read and written belong to the chunk that attended or appended them.
+A KV connector's hand-over is `kv_transferred` (the K/V bytes loaded, the prompt's KV size) plus
+`kv_transfer_overhead` (what else came over the wire: cell positions, headers, the payload's framing).
 Field names follow vLLM's per-request metrics where they mean the same thing (queued, prefill,
 decode; num_cached_tokens; kv_transfer_params).
 """
@@ -33,7 +35,8 @@ class Bill:
     experts_read: float = 0.0
     kv_read: float = 0.0
     kv_written: float = 0.0
-    kv_transferred: float = 0.0
+    kv_transferred: float = 0.0  # K/V bytes a KV connector loaded: the prompt's KV, nothing else
+    kv_transfer_overhead: float = 0.0  # the rest of what it received: positions, headers, framing
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the connector's route facts
 
     def charge(self, share: float, weights: float, experts: float, kv_read: float, kv_written: float) -> None:
@@ -59,7 +62,8 @@ class Bill:
                        "spec_accepted": self.spec_accepted},
             "bytes": {"weights_read": round(self.weights_read), "experts_read": round(self.experts_read),
                       "kv_read": round(self.kv_read), "kv_written": round(self.kv_written),
-                      "kv_transferred": round(self.kv_transferred)},
+                      "kv_transferred": round(self.kv_transferred),
+                      "kv_transfer_overhead": round(self.kv_transfer_overhead)},
         }
 
 

@@ -55,6 +55,10 @@ class KVPort(Protocol):
 
     def num_layers(self) -> int: ...
 
+    def kv_bytes(self, layer: int, data: bytes) -> int:
+        """The K/V bytes in a layer's data; the rest is the runner's framing (cell positions, headers)."""
+        ...
+
     def save_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int) -> bytes: ...
 
     def load_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int, data: bytes) -> None: ...
@@ -259,6 +263,7 @@ class _Fetch:
     payload: KVPayload | None = None
     error: str | None = None
     seconds: float = 0.0
+    wire_bytes: int = 0  # the payload as received, its length prefix included
     table: list[int] | None = None  # blocks allocated for it (update_state_after_alloc)
 
 
@@ -291,8 +296,9 @@ class KVConnector:
         p = fetch.params
         assert p.remote_host is not None and p.remote_port is not None and p.transfer_id is not None
         try:
-            payload = KVPayload.decode(self.transport.fetch(p.remote_host, p.remote_port, p.transfer_id,
-                                                            self.timeout_s))
+            raw = self.transport.fetch(p.remote_host, p.remote_port, p.transfer_id, self.timeout_s)
+            fetch.wire_bytes = _LEN.size + len(raw)
+            payload = KVPayload.decode(raw)
             if payload.format != self.port.format:
                 raise ValueError(f"the KV is in format {payload.format!r}, this replica runs {self.port.format!r}")
             if payload.num_tokens != prompt_len:
@@ -346,8 +352,10 @@ class KVConnector:
 
     # -- worker side ---------------------------------------------------------------------------------
     def start_load_kv(self, on_loaded: Callable[[Any, int, float, float], None]) -> list[Any]:
-        """Write every pending request's KV into the runner. Calls `on_loaded(request, tokens, bytes,
-        seconds)` per success; returns the requests whose KV would not load (they recompute)."""
+        """Write every pending request's KV into the runner. Calls `on_loaded(request, tokens, kv_bytes,
+        seconds)` per success, `kv_bytes` the K/V payload alone (the prompt's KV size); what else came
+        over the wire goes to the request's bill as `kv_transfer_overhead`. Returns the requests whose
+        KV would not load (they recompute)."""
         failed = []
         pending, self._pending_loads = self._pending_loads, []
         for request, fetch in pending:
@@ -363,7 +371,9 @@ class KVConnector:
                 failed.append(request)
                 continue
             self.loaded += 1
-            on_loaded(request, payload.num_tokens, float(payload.nbytes), fetch.seconds)
+            kv = sum(self.port.kv_bytes(i, data) for i, data in enumerate(payload.layers))
+            request.bill.kv_transfer_overhead += fetch.wire_bytes - kv
+            on_loaded(request, payload.num_tokens, float(kv), fetch.seconds)
         return failed
 
     def wait_for_layer_load(self, layer: int) -> None:
