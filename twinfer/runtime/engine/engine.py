@@ -28,7 +28,7 @@ from twinfer.runtime.engine.guard import LoopGuard
 from twinfer.runtime.engine.metrics import EngineMetrics
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
-from twinfer.runtime.engine.sampler import Sampled, draft_rows, sample, with_logprobs
+from twinfer.runtime.engine.sampler import Sampled, draft_rows, prompt_logprobs, sample, with_logprobs
 from twinfer.runtime.engine.scheduler import Schedule, Scheduled, Scheduler, SchedulerConfig
 from twinfer.runtime.errors import RequestError
 from twinfer.runtime.kv.block_manager import BlockManager
@@ -184,6 +184,7 @@ class Engine:
             request.finish_reason, list(request.logprobs) if request.params.logprobs is not None else None,
             len(request.prompt), len(request.output), request.cached_tokens,
             request.timings.as_dict(len(request.output)), self.cost(request) if request.finished else None,
+            prompt_logprobs=self._prompt_logprobs(request, again=True),
         )
         out.kv_transfer_params = request.kv_transfer_params
         return out
@@ -226,15 +227,18 @@ class Engine:
         return StepBatch([self._chunk(s, drafts.get(s.request.seq_id)) for s in items], exact=self.exact is not None)
 
     def _chunk(self, s: Scheduled, draft: Draft | None) -> SeqChunk:
-        """The step's tokens of one request; a decode with a draft asks for logits at every position."""
+        """The step's tokens of one request; a decode with a draft, or a prompt chunk whose rows are
+        scored (prompt logprobs), asks for logits at every position."""
         request, start = s.request, s.request.num_computed
         tokens = request.tokens[start : start + s.num_tokens]
         if draft is not None:
             return SeqChunk(request.seq_id, tokens + draft.tokens, start, self.blocks.table(request.seq_id),
                             LogitsWanted.ALL)
         last = start + s.num_tokens == request.num_tokens
-        return SeqChunk(request.seq_id, tokens, start, self.blocks.table(request.seq_id),
-                        LogitsWanted.LAST if last else LogitsWanted.NONE)
+        wanted = LogitsWanted.LAST if last else LogitsWanted.NONE
+        if request.wants_prompt_logprobs and start < len(request.prompt) - 1:
+            wanted = LogitsWanted.ALL
+        return SeqChunk(request.seq_id, tokens, start, self.blocks.table(request.seq_id), wanted)
 
     def _forward(self, batch: StepBatch, items: list[Scheduled], drafts: dict[int, Draft]) -> np.ndarray:
         started = time.perf_counter()
@@ -266,15 +270,34 @@ class Engine:
             if draft is not None:
                 new.append((request, self._verify(request, draft, logits[row : row + chunk.logit_rows])))
             else:
+                if chunk.logits is LogitsWanted.ALL:
+                    self._score_prompt(request, chunk.start, logits[row : row + chunk.logit_rows])
                 self._computed(request, s.num_tokens)
                 if request.num_computed == request.num_tokens:
-                    plain.append((request, row))
+                    plain.append((request, row + chunk.logit_rows - 1))
             row += chunk.logit_rows
         if plain:
             results = sample(logits[[r for _, r in plain]], [request.row for request, _ in plain])
             new += [(request, [result]) for (request, _), result in zip(plain, results, strict=True)]
         outputs = [self._emit(request, results) for request, results in new]
         return [out for out in outputs if out is not None]
+
+    def _score_prompt(self, request: Request, start: int, rows: np.ndarray) -> None:
+        """Reduce a prompt chunk's rows to the next prompt token's logprob and the top k, at once
+        (never keeping [rows, vocab] past the step); rows already scored (a recompute) are skipped."""
+        k = request.params.prompt_logprobs
+        first, end = len(request.prompt_logprobs), min(start + len(rows), len(request.prompt) - 1)
+        if k is None or first >= end or first < start:
+            return
+        scored = prompt_logprobs(rows[first - start : end - start], request.prompt[first + 1 : end + 1], k)
+        request.prompt_logprobs += [TokenLogprob(s.token, s.logprob or 0.0, s.top, s.rank) for s in scored]
+
+    def _prompt_logprobs(self, request: Request, again: bool = False) -> list[TokenLogprob] | None:
+        """The prompt's logprobs for an output: once, on the request's first delta (`again`: every time)."""
+        if request.params.prompt_logprobs is None or (request.prompt_logprobs_sent and not again):
+            return None
+        request.prompt_logprobs_sent = True
+        return list(request.prompt_logprobs)
 
     def _verify(self, request: Request, draft: Draft, rows: np.ndarray) -> list[Sampled]:
         """The tokens a drafted decode emits. The KV of its last token and the accepted drafts stays;
@@ -357,7 +380,8 @@ class Engine:
         if request.params.logprobs is not None:
             logprobs = request.logprobs[len(request.logprobs) - len(tokens) :] if tokens else []
         out = RequestOutput(request.request_id, text, tokens, final, request.finish_reason, logprobs,
-                            len(request.prompt), len(request.output), request.cached_tokens)
+                            len(request.prompt), len(request.output), request.cached_tokens,
+                            prompt_logprobs=self._prompt_logprobs(request))
         if final:
             out.metrics = request.timings.as_dict(len(request.output))
             out.cost = self.cost(request)

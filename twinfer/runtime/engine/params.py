@@ -52,6 +52,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob and top k
+    # None: none; k >= 0: each prompt token's logprob and the top k after the tokens before it. Such a
+    # request computes its whole prompt (it reads no prefix cache) in chunks at fixed positions.
+    prompt_logprobs: int | None = None
     guard: GuardConfig = field(default_factory=GuardConfig)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); -100 bans it
     constraint: Constraint | None = None  # a grammar the output must match (runtime/constraints)
@@ -69,6 +72,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
              "logit_bias maps token ids (>= 0) to values in [-100, 100]"),

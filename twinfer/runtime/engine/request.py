@@ -28,6 +28,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs)
 
 
 @dataclass
@@ -46,6 +47,8 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     cost: dict[str, Any] | None = None  # the request's bill (engine/bill.py), on its final output
     kv_transfer_params: dict[str, Any] | None = None  # what a KV connector hands the client (final output)
+    # prompt tokens 1.. with their logprobs (SamplingParams.prompt_logprobs), on the first delta only
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Request:
         self.emitted = 0  # characters of `text` already streamed
         self.emitted_tokens = 0
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1.., as their rows are computed
+        self.prompt_logprobs_sent = False
         self.retries = 0
         self.preemptions = 0
         self.timings = Timings()
@@ -103,6 +108,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt rows are still to be scored (SamplingParams.prompt_logprobs)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
 
     @property
     def finished(self) -> bool:

@@ -174,7 +174,12 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed
-        return min(remaining, budget, self.config.max_prefill_chunk) if remaining > 1 else 1
+        n = min(remaining, budget, self.config.max_prefill_chunk) if remaining > 1 else 1
+        if request.params.prompt_logprobs is not None and request.num_computed < len(request.prompt):
+            # scored prompts run in chunks at multiples of max_prefill_chunk, as a runner splits one
+            # whole-window step (chunk shapes change a row's logits on some runners)
+            n = min(n, self.config.max_prefill_chunk - request.num_computed % self.config.max_prefill_chunk)
+        return n
 
     def _grow(self, request: Request, n: int, out: Schedule) -> bool:
         """Make room for n more tokens of a running request, preempting others if needed."""
@@ -208,7 +213,10 @@ class Scheduler:
             if external is None:
                 skipped += 1
                 continue
-            prefix = [] if external else self.blocks.match_prefix(tokens)
+            # a request scoring its prompt reads no cached prefix: cached rows carry no logits (vLLM skips
+            # the lookup for prompt_logprobs too); its own blocks are still registered for others
+            scored = request.params.prompt_logprobs is not None
+            prefix = [] if external or scored else self.blocks.match_prefix(tokens)
             prefix = prefix[: self.prefix_ok(prefix)]
             request.num_computed = len(prefix) * self.blocks.block_size
             n = 0 if external else min(len(tokens) - request.num_computed, budget, self.config.max_prefill_chunk)

@@ -43,7 +43,7 @@ async def generation(state: ServerState, request: Request, body: ChatCompletionR
     chat = isinstance(body, ChatCompletionRequest)
     constraint = constraint_of(body)
     plan = ToolPlan.none()
-    echo = ""
+    echo, echo_ids = "", None
     if isinstance(body, ChatCompletionRequest):
         plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer, constraint)
         ids = await prompts.chat_prompt(tokenizer, body, plan)
@@ -51,11 +51,13 @@ async def generation(state: ServerState, request: Request, body: ChatCompletionR
     else:
         ids = await prompts.completion_prompt(tokenizer, body, engine.vocab_size)
         echo = await asyncio.to_thread(tokenizer.decode, ids, True) if body.echo else ""
+        echo_ids = ids if body.echo and body.logprobs is not None else None
     params = prompts.sampling_params(body, len(ids), engine.max_context, engine.vocab_size, state.guard, constraint)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices = await submit(engine, ids, params, body.n, request_id, body.priority)
+    echo_only = prompts.scores_prompt_only(body)
     followers = [Follower(request_id, state.model_name, chat, tokenizer, state.metrics, arrival, i,
-                          plan.parser(), echo) for i in range(body.n)]
+                          plan.parser(), echo, echo_ids, echo_only) for i in range(body.n)]
     want_logprobs = params.logprobs is not None
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -90,18 +92,23 @@ async def collect(request: Request, choices: list[Choice], followers: list[Any])
 
 async def _events(request: Request, choices: list[Choice], followers: list[Follower], want_logprobs: bool,
                   usage: bool) -> AsyncIterator[str]:
-    """The SSE body: role chunks (chat) or echoes, one chunk per delta, finish chunks, usage, [DONE]."""
+    """The SSE body: role chunks (chat) or echoes, one chunk per delta, finish chunks, usage, [DONE].
+    An echo with logprobs waits for the choice's first output, which carries the prompt's logprobs."""
     async with abort_on_disconnect(request, choices):
         try:
             for f in followers:
                 if f.chat:
                     yield f.chunk(role=True, include_usage=usage)
-                elif f.echo:
+                elif f.echo and f.echo_ids is None:
                     yield f.chunk(text=f.echo, include_usage=usage)
+            echoed: set[int] = set()
             async for i, out in merged(choices):
                 f = followers[i]
                 delta = f.feed(out)
-                if delta or out.logprobs:
+                if f.echo_ids is not None and i not in echoed:
+                    echoed.add(i)
+                    yield f.echo_chunk(want_logprobs, usage)
+                if not f.echo_only and (delta or out.logprobs):
                     yield f.chunk(delta, logprobs=out.logprobs, want_logprobs=want_logprobs, include_usage=usage)
                 if out.finished:
                     if f.finish_reason == "abort":

@@ -89,6 +89,20 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
     return tuple(sorted(out))
 
 
+def scores_prompt_only(req: Any) -> bool:
+    """A completions request with echo and max_tokens 0: it returns the prompt (and its logprobs) only."""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+
+
+def prompt_logprobs(req: Any) -> int | None:
+    """How many top logprobs each prompt token gets: vLLM's prompt_logprobs, else logprobs with echo."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if req.echo else None
+
+
 def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int, guard: GuardConfig,
                     constraint: Constraint | None = None) -> SamplingParams:
     """SamplingParams for a request whose prompt has `prompt_len` tokens; APIError when it cannot run."""
@@ -99,8 +113,11 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
     room = max_context - prompt_len
     wanted = req.requested_max_tokens
     name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    if wanted == 0 and scores_prompt_only(req):
+        wanted = 1  # as vLLM: one token is generated, and the response leaves it out
     if wanted is not None and wanted < 1:
-        raise APIError(400, f"{name} must be at least 1, got {wanted}", param=name)
+        raise APIError(400, f"{name} must be at least 1 (0 only with echo, to score the prompt), got {wanted}",
+                       param=name)
     if wanted is not None and wanted > room:
         raise APIError(400, f"this model's context window is {max_context} tokens, but you asked for {prompt_len + wanted} "
                        f"({prompt_len} in the prompt, {wanted} to generate); lower {name} to at most {room}",
@@ -122,7 +139,8 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=None if req.seed is None else req.seed % 2**64,
             stop=tuple(stop), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-            logprobs=req.num_logprobs, guard=guard, logit_bias=logit_bias(req.logit_bias, vocab_size),
+            logprobs=req.num_logprobs, prompt_logprobs=prompt_logprobs(req),
+            guard=guard, logit_bias=logit_bias(req.logit_bias, vocab_size),
             constraint=constraint, kv_transfer_params=getattr(req, "kv_transfer_params", None),
         )
     except RequestError as e:

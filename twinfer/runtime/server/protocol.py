@@ -2,10 +2,11 @@
 
 Types are strict (a string where a number belongs is a 400, as with OpenAI), and unknown fields are
 ignored without error, as vLLM does. Fields OpenAI accepts that twinfer cannot honour (suffix,
-best_of > 1, echo with logprobs) are rejected with a message that says so, rather than silently
+best_of > 1, echo on the chat API) are rejected with a message that says so, rather than silently
 producing something else. The vendor extras twinfer honours are those of vLLM (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, priority, chat_template_kwargs, structured_outputs
-and the guided_* fields) and llama-server's json_schema and grammar.
+repetition_penalty, ignore_eos, stop_token_ids, priority, chat_template_kwargs, structured_outputs,
+the guided_* fields and the completions API's prompt_logprobs) and llama-server's json_schema and
+grammar.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's extras
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's, refused: prompt logprobs come from the completions API
+    prompt_logprobs: int | None = None  # likewise
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -114,8 +117,9 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs lead the output's; max_tokens 0 scores only
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob and top k
     best_of: int | None = Field(None, ge=1, le=128)
 
     @property
@@ -134,11 +138,13 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, st
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs requires logprobs to be true", "top_logprobs"
+        if req.echo or req.prompt_logprobs is not None:
+            param = "echo" if req.echo else "prompt_logprobs"
+            return (f"{param} is not supported on the chat API: for prompt logprobs use /v1/completions with "
+                    "echo and logprobs (or prompt_logprobs)", param)
     else:
         if req.best_of not in (None, 1, req.n):
             return "best_of must equal n: twinfer returns every completion it generates", "best_of"
-        if req.echo and req.logprobs is not None:
-            return "echo with logprobs is not supported (prompt logprobs are not computed)", "echo"
         if req.suffix:
             return "suffix (insertion) is not supported", "suffix"
     return None

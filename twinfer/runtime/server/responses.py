@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from twinfer.runtime.engine.bill import merge_costs, with_server_time
@@ -24,7 +25,8 @@ class Follower:
     """One choice of a request as seen by the server."""
 
     def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, metrics: ServerMetrics,
-                 arrival: float, index: int = 0, parser: OutputParser | None = None, echo: str = ""):
+                 arrival: float, index: int = 0, parser: OutputParser | None = None, echo: str = "",
+                 echo_ids: list[int] | None = None, echo_only: bool = False):
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -34,6 +36,10 @@ class Follower:
         self.index = index
         self.parser: OutputParser = parser or PlainText()
         self.echo = echo  # completions' echo: the prompt text, sent before the output
+        # echo with logprobs: the prompt's ids, whose logprobs lead the logprobs object (then the output's)
+        self.echo_ids = echo_ids
+        self.echo_only = echo_only  # echo with max_tokens 0: the prompt scored, the one token generated dropped
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # the engine's, of prompt tokens 1..
         self.created = int(time.time())
         self.out = Delta()
         self.logprobs: list[TokenLogprob] = []
@@ -52,8 +58,12 @@ class Follower:
     def feed(self, out: RequestOutput) -> Delta:
         """Take one engine delta; returns what it adds to the choice (for a stream chunk)."""
         now = time.perf_counter()
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.token_ids and self.first_token is None:
             self.first_token = now
+        if self.echo_only:
+            out = replace(out, text="", token_ids=[], logprobs=None)
         self.token_ids += out.token_ids
         delta = self.parser.feed(self._text(out))
         if out.finished:
@@ -107,27 +117,57 @@ class Follower:
             {**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in (i.top or [])]} for i in items
         ], "refusal": None}
 
-    def completion_logprobs(self, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def completion_logprobs(self, items: list[TokenLogprob] | None, prompt: bool = False) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs object of `items`, after the prompt's (`prompt`, for an echo with
+        logprobs: the first prompt token has no logprob). As vLLM builds it: each top_logprobs holds the
+        token itself, then the k most likely (k + 1 entries when it is not among them); where two ids
+        decode to one piece the dict keeps the piece once, with the later entry's logprob."""
         if items is None:
             return None
+        rows: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
+        if prompt and self.echo_ids:
+            rows.append((self.echo_ids[0], None, None))
+            rows += [(i.token, i.logprob, i.top) for i in self.prompt_logprobs or []]
+        rows += [(i.token, i.logprob, i.top) for i in items]
         tokens, offsets = [], []
-        for i in items:
-            s = self._piece(i.token)
+        for token, _, _ in rows:
+            s = self._piece(token)
             tokens.append(s)
             offsets.append(self.text_offset)
             self.text_offset += len(s)
         return {
             "tokens": tokens,
-            "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{self._piece(t): lp for t, lp in (i.top or [])} for i in items],
+            "token_logprobs": [None if lp is None else _json_logprob(lp) for _, lp, _ in rows],
+            "top_logprobs": [None if lp is None else self._top(token, lp, top) for token, lp, top in rows],
             "text_offset": offsets,
         }
+
+    def _top(self, token: int, logprob: float, top: list[tuple[int, float]] | None) -> dict[str, float]:
+        by_id = {token: logprob, **dict(top or [])}
+        return {self._piece(t): _json_logprob(lp) for t, lp in by_id.items()}
+
+    def vllm_prompt_logprobs(self) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per token
+        {id: {logprob, rank, decoded_token}} for the token itself and the k most likely."""
+        if self.prompt_logprobs is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for i in self.prompt_logprobs:
+            ranked = [(i.token, i.logprob, i.rank)] + [(t, lp, r) for r, (t, lp) in enumerate(i.top or [], 1)]
+            row: dict[str, dict[str, Any]] = {}
+            for t, lp, rank in ranked:
+                row.setdefault(str(t), {"logprob": _json_logprob(lp), "rank": rank, "decoded_token": self._piece(t)})
+            out.append(row)
+        return out
 
     # -- whole responses -----------------------------------------------------------------------------
     def choice(self, want_logprobs: bool) -> dict[str, Any]:
         if not self.chat:
-            return {"index": self.index, "text": self.echo + self.out.content, "finish_reason": self.finish_reason,
-                    "logprobs": self.completion_logprobs(self.logprobs) if want_logprobs else None}
+            out = {"index": self.index, "text": self.echo + self.out.content, "finish_reason": self.finish_reason,
+                   "logprobs": self.completion_logprobs(self.logprobs, prompt=True) if want_logprobs else None}
+            if self.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self.vllm_prompt_logprobs()
+            return out
         message: dict[str, Any] = {"role": "assistant", "content": self.out.content or None, "refusal": None}
         if self.out.calls:
             message["tool_calls"] = [tool_call(c) for c in self.out.calls]
@@ -155,6 +195,12 @@ class Follower:
                   "logprobs": self.completion_logprobs(lp) if lp else None}
         if finish_reason is not None:  # text_completion requires a reason string: only the last chunk has one
             choice["finish_reason"] = finish_reason
+        return self._envelope(choice, include_usage)
+
+    def echo_chunk(self, want_logprobs: bool, include_usage: bool) -> str:
+        """A completions stream's echo: the prompt text, with the prompt's logprobs when asked for."""
+        choice = {"index": self.index, "text": self.echo,
+                  "logprobs": self.completion_logprobs([], prompt=True) if want_logprobs else None}
         return self._envelope(choice, include_usage)
 
     def _call_chunks(self, delta: Delta | None, include_usage: bool) -> str:
@@ -204,6 +250,11 @@ def _chat_delta(delta: Delta | None, role: bool) -> dict[str, Any]:
     if delta.content:
         out["content"] = delta.content
     return out
+
+
+def _json_logprob(lp: float) -> float:
+    """A logprob JSON can carry: -inf (a banned token) becomes -9999.0, as OpenAI and vLLM send it."""
+    return max(lp, -9999.0)
 
 
 def tool_call(call: ToolCall) -> dict[str, Any]:
