@@ -19,8 +19,10 @@ import torch
 
 from twinfer.backends.cuda.graphs import TorchRunner
 from twinfer.backends.cuda.ops import TorchOps, TorchStep
+from twinfer.backends.cuda.runner import torch_traffic
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.kv.block_manager import BlockManager
+from twinfer.runtime.kv.traffic import StepTraffic
 from twinfer.runtime.kv.window import WindowBlocks, per_sequence
 from twinfer.runtime.runner import KVLayout, KVSync
 from twinfer.runtime.spec import ModelSpec
@@ -124,4 +126,18 @@ def build_windowed_torch_runner(spec: ModelSpec, weights: Mapping[str, Any], *, 
     ops = WindowedTorchOps(spec, num_blocks=num_blocks, block_size=block_size, window_blocks=pool, device=device,
                            dtype=dtype, kernels="torch")
     held = {n: ops.weight(n, weights[n]) for n in weights if not (n == "lm_head" and spec.tie_word_embeddings)}
-    return WindowedTorchRunner(spec, ops, held, kv, WindowBlocks(pool, block_size, window))
+    runner = WindowedTorchRunner(spec, ops, held, kv, WindowBlocks(pool, block_size, window))
+    runner.traffic = window_traffic(spec, held, ops)
+    return runner
+
+
+def window_traffic(spec: ModelSpec, weights: Mapping[str, Any], ops: WindowedTorchOps) -> StepTraffic:
+    """The torch runner's traffic (weights, experts), with KV bytes per position read off each layer's own
+    cache: a sliding layer's holds the window pool, not the context, so the cache's size per position of
+    the whole pool would undercount it. Its reads stop at the window either way (`StepTraffic.windows`)."""
+
+    def per_position(cache: torch.Tensor) -> float:
+        return float(cache[0].numel() * cache.element_size()) if cache.shape[0] else 0.0
+
+    layers = tuple(per_position(k) + per_position(v) for k, v in zip(ops.k_cache, ops.v_cache, strict=True))
+    return replace(torch_traffic(spec, weights, ops, ops.block_size), kv_layer_bytes=layers)
