@@ -67,3 +67,15 @@ def test_windowed_torch_bill_matches_the_planner(gpt_oss: Path) -> None:
     # each layer's own cache per position: the sliding layers' pool is smaller than the context, not cheaper
     assert t.kv_bytes_per_token == spec.kv_bytes_per_token(4.0)
     assert_bill_matches_planner(runner, gpt_oss)
+
+
+def test_mlx_bill_matches_the_planner(gpt_oss: Path) -> None:
+    pytest.importorskip("mlx.core")
+    from twinfer.backends.metal.runner import load_mlx_runner
+
+    loaded = load_model(gpt_oss)
+    runner = load_mlx_runner(loaded, kv_tokens=64, block_size=2)
+    t = runner.traffic
+    assert t is not None and t.kv_bytes_per_token == loaded.spec.kv_bytes_per_token(4.0)
+    assert t.num_experts == loaded.spec.moe.num_experts and t.expert_bytes > 0  # routed experts apart
+    assert_bill_matches_planner(runner, gpt_oss)

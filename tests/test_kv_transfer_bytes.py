@@ -3,15 +3,18 @@ alone (its tokens x the runner's per-token K+V bytes, the planner's figure), `kv
 everything else the decode replica received for it (llama.cpp's cell positions and per-layer
 headers, the payload's own header), so the two add up to the bytes on the wire.
 
-Two engines in this process per runner, a prefill and a decode replica, the KV over loopback TCP.
+Two engines in this process per runner (torch, MLX, llama.cpp), a prefill and a decode replica, the KV
+over loopback TCP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
@@ -48,27 +51,43 @@ def hand_over(prefill: Engine, store: KVConnector, decode: Engine, prompt: list[
     return out, KVPayload.decode(data), 8 + len(data)
 
 
-# -- torch: the payload is K then V of each layer, nothing else ------------------------------------------
-@pytest.fixture(scope="module")
-def torch_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, KVConnector, Engine, KVConnector]]:
-    pytest.importorskip("torch")
-    from twinfer.backends.cuda.runner import build_torch_runner
+# -- torch and MLX: the payload is K then V of each layer, nothing else --------------------------------
+def _tiny_moe(folder: Path) -> Any:
     from twinfer.runtime.loaders import load_model
     from twinfer.runtime.synthetic import SyntheticMoE, write_synthetic_moe
 
-    folder = tmp_path_factory.mktemp("tiny-moe")
     write_synthetic_moe(folder, SyntheticMoE(hidden=64, intermediate=32, layers=2, experts=4, top_k=2, vocab=96,
                                              heads=4, kv_heads=2, head_dim=16))
-    loaded = load_model(folder)
-    pair = _pair(tuple(build_torch_runner(loaded.spec, loaded.weights, kv_tokens=256) for _ in range(2)), 256)
+    return load_model(folder)
+
+
+def _dense_runner(backend: str, loaded: Any, dtype: str = "float32") -> Any:
+    if backend == "torch":
+        pytest.importorskip("torch")
+        import torch
+
+        from twinfer.backends.cuda.runner import build_torch_runner
+
+        return build_torch_runner(loaded.spec, loaded.weights, kv_tokens=256, dtype=getattr(torch, dtype))
+    pytest.importorskip("mlx.core")
+    from twinfer.backends.metal.runner import load_mlx_runner
+
+    return load_mlx_runner(loaded, kv_tokens=256, dtype=dtype)
+
+
+@pytest.fixture(scope="module", params=["torch", "mlx"])
+def dense_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[Engine, KVConnector, Engine, KVConnector]]:
+    loaded = _tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+    pair = _pair((_dense_runner(request.param, loaded), _dense_runner(request.param, loaded)), 256)
     yield pair
     pair[1].close()
     pair[3].close()
 
 
 @pytest.mark.parametrize("n", [5, 16, 37])
-def test_torch_transfer_is_the_prompts_kv(torch_pair: tuple[Engine, KVConnector, Engine, KVConnector], n: int) -> None:
-    prefill, store, decode, _ = torch_pair
+def test_dense_transfer_is_the_prompts_kv(dense_pair: tuple[Engine, KVConnector, Engine, KVConnector], n: int) -> None:
+    prefill, store, decode, _ = dense_pair
     out, payload, wire = hand_over(prefill, store, decode, [(7 * i + n) % 96 for i in range(n)])
     per_token = decode.runner.spec.kv_bytes_per_token(4.0)  # float32 K and V, every layer
     assert decode.runner.traffic.kv_bytes_per_token == per_token
@@ -131,3 +150,21 @@ def test_llamacpp_transfer_is_the_prompts_kv(llama_pair: tuple[str, tuple[Engine
     assert state.kv == cost["bytes"]["kv_transferred"] and state.cells == (n, min(n, window))
     assert state.framing == _framing(2, spec.num_layers, n + min(n, window)) == len(payload.layers[0]) - state.kv
     assert cost["bytes"]["kv_transfer_overhead"] == wire - state.kv  # llama.cpp's framing and the payload header
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_bfloat16_kv_crosses_bit_for_bit(backend: str, tmp_path: Path) -> None:
+    """A bfloat16 cache (numpy has no such dtype) leaves and enters as its raw bits."""
+    from twinfer.runtime.batch import SeqChunk, StepBatch
+
+    loaded = _tiny_moe(tmp_path)
+    src, dst = _dense_runner(backend, loaded, "bfloat16"), _dense_runner(backend, loaded, "bfloat16")
+    n, table = 21, [3, 0, 7]  # blocks of 16: the two replicas' tables differ
+    src.step(StepBatch([SeqChunk(0, [(5 * i) % 96 for i in range(n)], 0, [1, 2])]))
+    assert src.kv_port is not None and dst.kv_port is not None and src.kv_port.format == dst.kv_port.format
+    for layer in range(src.kv_port.num_layers()):
+        data = src.kv_port.save_layer(layer, 0, [1, 2], n)
+        assert len(data) == n * src.traffic.kv_bytes_per_token / src.kv_port.num_layers()
+        dst.kv_port.load_layer(layer, 0, table, n, data)
+        assert dst.kv_port.save_layer(layer, 0, table, n) == data
+    assert np.frombuffer(data, dtype=np.uint16).any()  # real KV, not zeros

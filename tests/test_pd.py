@@ -1,11 +1,11 @@
 """Prefill/decode disaggregation over loopback: a prefill replica computes the prompt's KV, a decode
 replica fetches it through the KV connector (runtime/kv/connector.py, TCP) and continues.
 
-Each backend's replicas (a tiny random qwen3_moe on torch, the default GGUF on llama.cpp) run in this process (two apps, two engines, two runners, the KV over TCP);
-the proxy (app/pd.py) pairs them. Greedy text through the proxy must equal one server's; the
-transferred bytes must be the prompt's KV; a KV that never arrives makes the decode replica
-recompute, and no KV block stays in use anywhere. tests/test_kv_transfer_bytes.py holds the bytes to
-the format of each runner's payload at several prompt lengths.
+Each backend's replicas (a tiny random qwen3_moe on torch and MLX, the default GGUF on llama.cpp) run in
+this process (two apps, two engines, two runners, the KV over TCP); the proxy (app/pd.py) pairs them.
+Greedy text through the proxy must equal one server's; the transferred bytes must be the prompt's KV;
+a KV that never arrives makes the decode replica recompute, and no KV block stays in use anywhere.
+tests/test_kv_transfer_bytes.py holds the bytes to each runner's payload format at several lengths.
 """
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ class Replica:
             close()
 
 
-@pytest.fixture(scope="module", params=["torch", "llamacpp"])
+@pytest.fixture(scope="module", params=["torch", "llamacpp", "mlx"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if request.param == "mlx":
+        pytest.importorskip("mlx.core")
     if request.param == "llamacpp":
         pytest.importorskip("llama_cpp")
         model = None  # the embedded default GGUF
@@ -115,7 +117,7 @@ def test_pd_greedy_equals_one_server_and_moves_the_prompts_kv(pair: dict[str, An
     assert cost["bytes"]["kv_transferred"] == kv_size  # K and V of every layer at every prompt position
     # the rest of the wire: the payload's header, and llama.cpp's cell positions and per-layer headers
     overhead = cost["bytes"]["kv_transfer_overhead"]
-    assert 0 < overhead <= (512 if pair["backend"] == "torch" else 512 + 24 * n + 24 * decode.runner.spec.num_layers)
+    assert 0 < overhead <= (512 if pair["backend"] != "llamacpp" else 512 + 24 * n + 24 * decode.runner.spec.num_layers)
     assert cost["tokens"]["cached"]["remote"] == n and cost["tokens"]["computed"] == 0
     assert pd["usage"]["prompt_tokens_details"]["cached_tokens"] == n
     assert cost["route"]["replica"] == "decode-0"

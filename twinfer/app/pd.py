@@ -35,7 +35,7 @@ def attach_kv_connector(engine: Any, kind: str = "tcp", host: str = "127.0.0.1",
     port = getattr(engine.runner, "kv_port", None)
     if port is None:
         raise TwinferError(f"the {engine.runner.backend} runner cannot hand its KV to another replica "
-                           "(no KV port): serve with the torch or llama.cpp backend for --kv-connector")
+                           "(no KV port): serve with the torch, MLX or llama.cpp backend for --kv-connector")
     try:
         connector = KVConnector(port, kind, host, timeout_s=timeout_s, ttl_s=ttl_s)
     except OSError as e:

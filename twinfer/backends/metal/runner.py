@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
+from twinfer.backends.metal.kv_port import MlxKVPort
 from twinfer.backends.metal.ops import MlxOps
+from twinfer.runtime.kv.traffic import StepTraffic, resident_traffic
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
 from twinfer.runtime.spec import ModelSpec
@@ -66,7 +68,33 @@ def _build(
             continue  # tied: the model reads `embed`; keep one copy on the device
         weights[name] = ops.weight(name, load(name))
     # cast: Ops types its step context as the StepContext protocol, backends as their own class
-    return OpsRunner(spec, cast(Ops, ops), weights, kv, backend="mlx")
+    runner = OpsRunner(spec, cast(Ops, ops), weights, kv, backend="mlx")
+    runner.traffic = mlx_traffic(spec, weights, ops, kv.num_blocks * block_size)
+    runner.kv_port = MlxKVPort(ops)
+    return runner
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of a held weight: an array, or a quantized linear's arrays (MlxAffineLinear and friends)."""
+    if isinstance(value, mx.array):
+        return int(value.nbytes)
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if hasattr(value, "__dict__"):
+        return sum(_nbytes(v) for v in vars(value).values())
+    return 0
+
+
+def mlx_traffic(spec: ModelSpec, weights: Mapping[str, Any], ops: MlxOps, slots: int) -> StepTraffic:
+    """What a step reads and writes: the weights as held (the torch runner's accounting), and each layer's
+    KV cache bytes per slot (`slots`: the cache's positions; dense K/V, or TurboQuant's codes and norms)."""
+    if ops.kv_quant:
+        layers = tuple(c.nbytes / slots for c in ops.kv_quant)
+    else:
+        layers = tuple((k.nbytes + v.nbytes) / slots for k, v in zip(ops.k_cache, ops.v_cache, strict=True))
+    return resident_traffic(spec, {n: float(_nbytes(w)) for n, w in weights.items()}, layers)
 
 
 def _wire_working_set() -> None:

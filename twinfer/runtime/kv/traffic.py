@@ -7,6 +7,7 @@ requests (engine/bill.py). Pure arithmetic: nothing here touches a device.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,3 +72,24 @@ def kv_layer_bytes(spec: Any, bytes_per_element: float) -> tuple[float, ...]:
     else:
         per_layer = 2.0 * spec.kv_size
     return tuple(per_layer * bytes_per_element for _ in range(spec.num_layers))
+
+
+def resident_traffic(spec: Any, weight_sizes: Mapping[str, float], kv_layer: tuple[float, ...]) -> StepTraffic:
+    """A `StepTraffic` from the bytes of each resident weight (canonical names) and each layer's KV bytes per
+    position: routed experts ("expert" in the name, not "shared") counted apart, by the share a step
+    touches; an untied embedding table left out (a step reads only its rows)."""
+    dense = experts = 0.0
+    expert_layers: set[str] = set()
+    for name, size in weight_sizes.items():
+        if name == "embed" and not spec.tie_word_embeddings:
+            continue
+        if "expert" in name and "shared" not in name and spec.moe is not None:
+            experts += size
+            expert_layers.add(name.split(".")[1] if name.startswith("layers.") else name)
+        else:
+            dense += size
+    moe, n_moe = spec.moe, len(expert_layers)
+    if moe is None or not n_moe:
+        return StepTraffic(dense, kv_layer, tuple(spec.window(i) for i in range(spec.num_layers)))
+    return StepTraffic(dense, kv_layer, tuple(spec.window(i) for i in range(spec.num_layers)),
+                       experts / (moe.num_experts * n_moe), moe.num_experts, moe.top_k, n_moe)
