@@ -79,3 +79,17 @@ def test_mlx_bill_matches_the_planner(gpt_oss: Path) -> None:
     assert t is not None and t.kv_bytes_per_token == loaded.spec.kv_bytes_per_token(4.0)
     assert t.num_experts == loaded.spec.moe.num_experts and t.expert_bytes > 0  # routed experts apart
     assert_bill_matches_planner(runner, gpt_oss)
+
+
+def test_windowed_runner_refuses_a_kv_connector_by_name(gpt_oss: Path) -> None:
+    """Its sliding layers keep only the window's blocks, which a decoder's fresh table cannot take as they are."""
+    pytest.importorskip("fastapi")
+    from twinfer.app.pd import attach_kv_connector
+    from twinfer.backends.cuda.window import build_windowed_torch_runner
+    from twinfer.runtime.errors import TwinferError
+
+    loaded = load_model(gpt_oss)
+    runner = build_windowed_torch_runner(loaded.spec, loaded.weights, max_seqs=1, kv_tokens=64, block_size=2)
+    engine = Engine(runner, None, EngineConfig(max_seqs=1, max_context=64))
+    with pytest.raises(TwinferError, match="WindowedTorchRunner.*window-bounded.*--kv-connector"):
+        attach_kv_connector(engine)

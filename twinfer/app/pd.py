@@ -34,8 +34,9 @@ def attach_kv_connector(engine: Any, kind: str = "tcp", host: str = "127.0.0.1",
     """Give an engine a KV connector over its runner's KV (`Runner.kv_port`), listening on `host`."""
     port = getattr(engine.runner, "kv_port", None)
     if port is None:
-        raise TwinferError(f"the {engine.runner.backend} runner cannot hand its KV to another replica "
-                           "(no KV port): serve with the torch, MLX or llama.cpp backend for --kv-connector")
+        raise TwinferError(f"this {engine.runner.backend} runner ({type(engine.runner).__name__}) cannot hand its "
+                           "KV to another replica: the window-bounded and tensor-parallel torch runners keep no KV "
+                           "port; serve with the plain torch, MLX or llama.cpp runner for --kv-connector")
     try:
         connector = KVConnector(port, kind, host, timeout_s=timeout_s, ttl_s=ttl_s)
     except OSError as e:
