@@ -2,6 +2,7 @@
 (backends/cuda/window.py) and MLX (backends/metal). Each request's weights, experts and KV read and
 written must agree with the planner's per-token figures (`ModelProfile.step_bytes`,
 `kv_bytes_per_seq`) on the same checkpoint within 10%, as the llama.cpp runner's do on the default model.
+The tensor-parallel torch runner bills the model as a whole: the single-process runner's bytes exactly.
 """
 
 from __future__ import annotations
@@ -93,3 +94,27 @@ def test_windowed_runner_refuses_a_kv_connector_by_name(gpt_oss: Path) -> None:
     engine = Engine(runner, None, EngineConfig(max_seqs=1, max_context=64))
     with pytest.raises(TwinferError, match="WindowedTorchRunner.*window-bounded.*--kv-connector"):
         attach_kv_connector(engine)
+
+
+def test_tensor_parallel_bill_equals_one_process() -> None:
+    """--tp 2 bills the model as a whole (every weight and KV head once, across ranks): the same bytes as
+    the single-process torch runner's bill for the same request."""
+    pytest.importorskip("torch")
+    from test_parallel import BLOCK, KV_TOKENS, SPECS, weights
+
+    from twinfer.backends.cuda.parallel import ParallelConfig, RunOptions, WeightSource, launch
+    from twinfer.backends.cuda.runner import build_torch_runner
+
+    spec = SPECS["qwen3_moe"]
+    single = build_torch_runner(spec, weights("qwen3_moe"), kv_tokens=KV_TOKENS, block_size=BLOCK)
+    tp = launch(WeightSource(spec=spec, weights=weights("qwen3_moe")), ParallelConfig(tp=2),
+                RunOptions(kv_tokens=KV_TOKENS, block_size=BLOCK, timeout_s=120))
+    try:
+        assert tp.traffic == single.traffic
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, guard=GuardConfig(enabled=False))
+        costs = [Engine(r, None, EngineConfig(max_seqs=1, max_context=64)).generate([PROMPT], params)[0].cost
+                 for r in (single, tp)]
+    finally:
+        tp.close()
+    assert costs[0] is not None and costs[1] is not None
+    assert costs[1]["bytes"] == costs[0]["bytes"] and costs[1]["bytes"]["experts_read"] > 0

@@ -30,6 +30,7 @@ from twinfer.backends.cuda.parallel.shard import HostWeights, WeightReader
 from twinfer.backends.cuda.parallel.wire import STEP, STOP, decode, encode
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.errors import BackendUnavailable
+from twinfer.runtime.kv.traffic import StepTraffic, kv_layer_bytes, resident_traffic
 from twinfer.runtime.runner import KVLayout, Runner
 from twinfer.runtime.spec import ModelSpec
 
@@ -211,7 +212,19 @@ def launch(source: WeightSource, config: ParallelConfig, opts: RunOptions) -> Di
             p.terminate()
             p.join(timeout=5)
         raise
-    return DistributedRunner(model, opts.kv, procs, store)
+    runner = DistributedRunner(model, opts.kv, procs, store)
+    runner.traffic = whole_model_traffic(source, opts)
+    return runner
+
+
+def whole_model_traffic(source: WeightSource, opts: RunOptions) -> StepTraffic:
+    """The bill's bytes for all ranks together, as the planner counts the model: every weight once in the
+    ranks' dtype (a replicated one too), every layer's K and V once (a replicated KV head too)."""
+    spec, reader = source.open()
+    element = torch.empty(0, dtype=getattr(torch, opts.dtype)).element_size()
+    sizes = {n: float(np.prod(reader.shape(n))) * element for n in reader.names()
+             if not (n == "lm_head" and spec.tie_word_embeddings)}
+    return resident_traffic(spec, sizes, kv_layer_bytes(spec, element))
 
 
 def _wait_ready(procs: list[Any], conns: list[Connection], timeout_s: float) -> None:
@@ -247,7 +260,9 @@ def from_torchrun(source: WeightSource, config: ParallelConfig, opts: RunOptions
     model = build_shard(source, config, rank, opts, local_rank)
     model.connect(join_groups(store, model.pos, model.ops.device, opts.timeout_s))
     if rank == 0:
-        return DistributedRunner(model, opts.kv, [], store)
+        runner = DistributedRunner(model, opts.kv, [], store)
+        runner.traffic = whole_model_traffic(source, opts)
+        return runner
     try:
         serve_steps(model)
     finally:
