@@ -99,11 +99,18 @@ def test_echo_logprobs_format_through_the_openai_client(served: tuple[ServerThre
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]  # same prompt, same numbers
 
 
-def test_served_prompt_logprobs_are_bit_identical_to_runner_source(
-        served: tuple[ServerThread, Engine, Any], window: list[int], reference: np.ndarray) -> None:
+def test_served_prompt_logprobs_are_bit_identical_to_runner_source(served: tuple[ServerThread, Engine, Any]) -> None:
+    """100 tokens (one chunk of >= 64 rows: llama.cpp's tiled flash attention) after a 120-token request
+    the server keeps in a slot: the scored request neither reads that cached prefix nor computes after
+    its cells (starting mid-tile, they change most rows' logits), so it matches a fresh
+    runner exactly."""
     st, engine, _ = served
+    (long,) = corpus_windows(None, "prose", 119, 120)
+    window = long[:100]
+    reference = log_softmax(RunnerSource(open_model(None, "llamacpp", max_seqs=2, ctx=512, threads=1).runner
+                                         ).logits(window))
     c = client(st)
-    c.completions.create(model=NAME, prompt=window, max_tokens=1, temperature=0)  # its blocks are now cached
+    c.completions.create(model=NAME, prompt=long, max_tokens=1, temperature=0)  # its blocks are now cached
     r = c.completions.create(model=NAME, prompt=window, max_tokens=1, temperature=0, echo=True, logprobs=20)
     assert r.usage.prompt_tokens_details.cached_tokens == 0  # a scored prompt reads no cached prefix
     vllm = r.choices[0].model_extra["prompt_logprobs"]
@@ -115,7 +122,7 @@ def test_served_prompt_logprobs_are_bit_identical_to_runner_source(
         assert {int(t): e["logprob"] for t, e in vllm[i].items() if e["rank"] <= 20} == {
             int(t): float(row[t]) for t in best}
     after = c.completions.create(model=NAME, prompt=window, max_tokens=1, temperature=0)
-    assert after.usage.prompt_tokens_details.cached_tokens == 32  # it still registered its blocks for others
+    assert after.usage.prompt_tokens_details.cached_tokens == 96  # it still registered its blocks for others
     engine.blocks.check()
 
 
@@ -178,3 +185,20 @@ def test_scored_prompt_chunks_keep_to_multiples_of_the_chunk_size() -> None:
         if scored.num_computed == len(scored.prompt):
             break
     assert spans == [(0, 15), (15, 16), (16, 31), (31, 32), (32, 40)]
+
+
+@pytest.mark.slow
+def test_a_window_past_one_chunk_is_bit_identical_too() -> None:
+    """530 tokens: the engine computes chunks [0, 512) and [512, 530), as llama.cpp splits the one
+    RunnerSource step into n_batch windows; a cached prefix from an earlier request is not read."""
+    (w,) = corpus_windows(None, "prose", 529, 530)
+    ref = log_softmax(RunnerSource(open_model(None, "llamacpp", max_seqs=2, ctx=1024, threads=1).runner).logits(w))
+    o = open_model(None, "llamacpp", max_seqs=2, ctx=1024, threads=1)
+    engine = Engine(o.runner, o.tokenizer, EngineConfig(max_seqs=2, max_context=1024))
+    engine.generate([w[:300]], SamplingParams(max_tokens=1, temperature=0))
+    (out,) = engine.generate([w], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))
+    assert out.cached_tokens == 0 and out.prompt_logprobs is not None
+    assert [x.logprob for x in out.prompt_logprobs] == [float(ref[i][w[i + 1]]) for i in range(len(w) - 1)]
+    assert [[t for t, _ in x.top or []] for x in out.prompt_logprobs] == [
+        [int(t) for t in np.argsort(-ref[i], kind="stable")[:5]] for i in range(len(w) - 1)]
+    engine.close()

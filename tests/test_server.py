@@ -306,7 +306,7 @@ BAD = [  # (id, path, body (bytes: sent as is), status, param)
      "max_tokens"),
     ("completions logprobs 50", COMP_URL, {**OK_COMP, "logprobs": 50}, 400, "logprobs"),
     ("n 200", CHAT_URL, {**OK_CHAT, "n": 200}, 400, "n"),
-    ("echo with logprobs", COMP_URL, {**OK_COMP, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("echo on chat", CHAT_URL, {**OK_CHAT, "echo": True}, 400, "echo"),
     ("logit_bias not an id", CHAT_URL, {**OK_CHAT, "logit_bias": {"x": 10}}, 400, "logit_bias"),
     ("logit_bias id outside vocab", CHAT_URL, {**OK_CHAT, "logit_bias": {"5000": 10}}, 400, "logit_bias"),
     ("logit_bias 101", CHAT_URL, {**OK_CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias"),

@@ -102,6 +102,10 @@ class KVSync:
     def dropped(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """The sequence's KV is void (a retry recomputes it from position 0)."""
 
+    def isolate(self) -> None:  # noqa: B027 - optional hook
+        """The sequence admitted this step runs alone and must compute as on a fresh runner (a scored
+        prompt): drop whatever else the runner keeps that could change its numerics."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """The engine closes: give back every sequence kept for reuse."""
 

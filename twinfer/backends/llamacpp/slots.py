@@ -85,6 +85,12 @@ class SlotKVSync(KVSync):
         self._evict_owner(seq_id)
         self.runner.release(seq_id)
 
+    def isolate(self) -> None:
+        """Cells kept before the new sequence's make its KV start mid-tile in the view llama.cpp's
+        tiled flash attention walks (chunks of >= 64 rows), which changes their logits: give them
+        back, so its cells start at 0 as on a fresh runner."""
+        self.close()
+
     def close(self) -> None:
         for seq_id in list(self.retained):
             self._drop_retained(seq_id)

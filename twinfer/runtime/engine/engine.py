@@ -193,6 +193,9 @@ class Engine:
     def _begin_kv(self, schedule: Schedule) -> None:
         """Tell the runner's KV storage who was preempted and who starts from a cached prefix."""
         admitted = [(s.request.seq_id, s.prefix_blocks) for s in schedule.items if s.admitted]
+        alone = len(self.scheduler.running) == 1 and len(schedule.items) == 1
+        if alone and admitted and schedule.items[0].request.params.prompt_logprobs is not None:
+            self.kv_sync.isolate()  # a scored prompt alone computes as on a fresh runner
         self.kv_sync.begin_step([r.seq_id for r in schedule.preempted], admitted)
 
     def _load_external(self, schedule: Schedule) -> list[RequestOutput]:
