@@ -168,3 +168,23 @@ def test_bfloat16_kv_crosses_bit_for_bit(backend: str, tmp_path: Path) -> None:
         dst.kv_port.load_layer(layer, 0, table, n, data)
         assert dst.kv_port.save_layer(layer, 0, table, n) == data
     assert np.frombuffer(data, dtype=np.uint16).any()  # real KV, not zeros
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_turboquant_kv_is_refused_when_the_connector_starts(backend: str, tmp_path: Path) -> None:
+    from twinfer.app.pd import attach_kv_connector
+    from twinfer.runtime.errors import TwinferError
+
+    loaded = _tiny_moe(tmp_path)
+    if backend == "torch":
+        pytest.importorskip("torch")
+        from twinfer.backends.cuda.runner import build_torch_runner
+
+        runner = build_torch_runner(loaded.spec, loaded.weights, kv_tokens=64, kv_format="tq4")
+    else:
+        pytest.importorskip("mlx.core")
+        from twinfer.backends.metal.runner import load_mlx_runner
+
+        runner = load_mlx_runner(loaded, kv_tokens=64, kv_format="tq4")
+    with pytest.raises(TwinferError, match="TurboQuant-coded KV cache cannot be handed"):
+        attach_kv_connector(Engine(runner, None, EngineConfig(max_seqs=1, max_context=64)))

@@ -34,18 +34,18 @@ class TorchKVPort:
         blocks = torch.as_tensor(table, dtype=torch.int64)[pos // bs]
         return (blocks * bs + pos % bs).to(self.ops.device)
 
-    def _check(self) -> None:
+    def check(self) -> None:
         if self.ops.kv_quant:
             raise ValueError("a TurboQuant-coded KV cache cannot be handed to another replica; serve with dense KV")
 
     def save_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int) -> bytes:
-        self._check()
+        self.check()
         slots = self._slots(table, num_tokens)
         parts = [c[layer].index_select(0, slots) for c in (self.ops.k_cache, self.ops.v_cache)]
         return b"".join(p.contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in parts)
 
     def load_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int, data: bytes) -> None:
-        self._check()
+        self.check()
         slots = self._slots(table, num_tokens)
         caches = (self.ops.k_cache[layer], self.ops.v_cache[layer])
         sizes = [num_tokens * c[0].numel() * c.element_size() if c.shape[0] else 0 for c in caches]

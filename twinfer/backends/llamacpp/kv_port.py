@@ -140,6 +140,9 @@ class LlamaCppKVPort:
     def num_layers(self) -> int:
         return 1
 
+    def check(self) -> None:
+        """Every KV type moves as llama.cpp serializes it."""
+
     def kv_bytes(self, layer: int, data: bytes) -> int:
         """The K/V rows in the state; a state that is not a KV cache's (recurrent) counts whole."""
         try:

@@ -39,12 +39,12 @@ class MlxKVPort:
         pos = np.arange(num_tokens)
         return mx.array((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).astype(np.int32))
 
-    def _check(self) -> None:
+    def check(self) -> None:
         if self.ops.kv_quant:
             raise ValueError("a TurboQuant-coded KV cache cannot be handed to another replica; serve with dense KV")
 
     def save_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int) -> bytes:
-        self._check()
+        self.check()
         slots = self._slots(table, num_tokens)
         out = b""
         for cache in (self.ops.k_cache[layer], self.ops.v_cache[layer]):
@@ -54,7 +54,7 @@ class MlxKVPort:
         return out
 
     def load_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int, data: bytes) -> None:
-        self._check()
+        self.check()
         slots = self._slots(table, num_tokens)
         caches = [self.ops.k_cache[layer], self.ops.v_cache[layer]]
         sizes = [num_tokens * (c.size // c.shape[0]) * c.itemsize if c.shape[0] else 0 for c in caches]

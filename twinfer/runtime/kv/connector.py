@@ -55,6 +55,10 @@ class KVPort(Protocol):
 
     def num_layers(self) -> int: ...
 
+    def check(self) -> None:
+        """ValueError, saying why, when this cache cannot be handed over (a TurboQuant-coded one)."""
+        ...
+
     def kv_bytes(self, layer: int, data: bytes) -> int:
         """The K/V bytes in a layer's data; the rest is the runner's framing (cell positions, headers)."""
         ...
@@ -270,11 +274,13 @@ class _Fetch:
 class KVConnector:
     """One replica's connector: stores KV for decoders (prefill role) and fetches it (decode role).
 
-    `port` is the runner's KVPort; `timeout_s` bounds a fetch, after which the request recomputes.
+    `port` is the runner's KVPort (ValueError when it cannot hand KV over); `timeout_s` bounds a fetch,
+    after which the request recomputes.
     """
 
     def __init__(self, port: KVPort, transport: str = "tcp", host: str = "127.0.0.1", listen_port: int = 0,
                  timeout_s: float = 10.0, ttl_s: float = 60.0):
+        port.check()  # refused at start-up, not when the first prefill finishes
         self.port = port
         self.timeout_s = timeout_s
         self.store = KVStore(ttl_s)
