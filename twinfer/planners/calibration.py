@@ -28,6 +28,7 @@ class Efficiency:
     bandwidth: float = 0.85  # of peak memory bandwidth, streaming weights and KV in decode
     tensor: float = 0.5  # of dense tensor FLOPs in large GEMMs (prefill, big decode batches)
     vector: float = 0.5  # of the FP32 vector rate, in dequantization loops
+    attention: float = 0.5  # CPU only: of the f32 FMA peak, in prefill attention (QK^T, PV) on a float KV cache
     overlap_loss: float = 0.3  # share of the shorter of (memory, ALU) time a fused kernel fails to hide
     layer_cycles: float = 60e3  # fixed GPU cycles per layer per step (launches, norms, small ops)
     moe_layer_factor: float = 1.5  # an MoE layer's fixed cost relative to a dense layer's
@@ -54,10 +55,12 @@ DEFAULTS: dict[str, Efficiency] = {
     # 2-core EPYC of docs/planner-accuracy.md ("This machine"), the rest set by hand.
     # tensor and overlap_loss refitted when the CPU's matmuls moved to its int8 dot-product peak and
     # llama.cpp's weight repacking became the default (docs/planner-accuracy.md, "Against this machine").
-    "llamacpp/cpu": Efficiency(bandwidth=0.7, tensor=0.72, vector=0.35, overlap_loss=0.25, layer_cycles=30e3,
-                               moe_layer_factor=1.5, step_s=0.4e-3),
-    "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, overlap_loss=0.5, layer_cycles=400e3,
-                            moe_layer_factor=2.0, step_s=2e-3),
+    # attention: prefill time per token at 512-4,096 against 64 tokens, one thread, CPU time of llama_decode
+    # (docs/planner-accuracy.md, "Prefill attention"). torch keeps its old rate (its tensor factor), unmeasured.
+    "llamacpp/cpu": Efficiency(bandwidth=0.7, tensor=0.72, vector=0.35, attention=0.49, overlap_loss=0.25,
+                               layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3),
+    "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, attention=0.262, overlap_loss=0.5,
+                            layer_cycles=400e3, moe_layer_factor=2.0, step_s=2e-3),
     # vLLM/SGLang-class serving (CUDA graphs, fused MoE): Llama-3.1-8B BF16 on A100 and H100 fit
     # bandwidth 0.86 and ~56k cycles/layer. twinfer's CUDA backend is planned against the same
     # factors until `twinfer bench` measures it.

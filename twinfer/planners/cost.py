@@ -181,6 +181,50 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     )
 
 
+# llama.cpp's CPU flash attention on a float KV cache (ggml-cpu/ops.cpp, `..._flash_attn_ext_tiled`, taken
+# from 64 query rows on) computes 64-query x 64-key tiles whole and skips only tiles the mask fills.
+CPU_ATTENTION_TILE = 64
+# Its one-row path (a quantized cache, or fewer than 64 query rows) multiplies one K/V row at a time
+# (vec_dot, vec_mad: two loads and a store per FMA vector), at about half the tiled GEMM's FMA rate.
+CPU_ROW_PATH_SLOWDOWN = 2.0
+
+
+def attended_pairs(tokens: int, window: int | None, tile: int = 1) -> float:
+    """(query, key) pairs one head of a layer computes over a causal prompt of `tokens` tokens, each
+    query seeing the last `window` positions (None: all before it), when a kernel computes whole
+    `tile` x `tile` blocks and skips only the blocks the mask fills (tile 1: exactly the unmasked pairs)."""
+    n = math.ceil(tokens / tile)  # query tiles; query tile i needs key tiles i - m .. i
+    m = math.ceil((window - 1) / tile) if window else n
+    tiles = n * (n + 1) / 2 if n <= m + 1 else (m + 1) * (m + 2) / 2 + (n - m - 1) * (m + 1)
+    return tiles * tile * tile
+
+
+def prefill_attention_s(profile: ModelProfile, dev: Device, s: Strategy, tokens: int, eff: Efficiency) -> float:
+    """Seconds of QK^T and PV over one prompt, on one device of a replica.
+
+    A GPU runs them on its tensor units at the MLP's peak. A CPU does not use its int8 dot products
+    here: llama.cpp converts a float cache's K/V tiles to f32 and multiplies with f32 FMAs (a fitted
+    share `attention` of that peak), and a quantized cache (Q8_0, Q4_0) takes the one-row path, which
+    runs those FMAs at half that rate and expands every attended K and V row again for each query row
+    and head (at the vector rate, `vector`).
+    """
+    spec = profile.spec
+    per_head = (2 * spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) if spec.mla else 2 * spec.head_dim
+    quantized = s.kv.family == "gguf"
+    cpu = dev.kind == CPU
+    tile = CPU_ATTENTION_TILE if cpu and s.engine == "llamacpp" and not quantized and tokens >= CPU_ATTENTION_TILE else 1
+    pairs = spec.num_heads * sum(attended_pairs(tokens, spec.window(layer), tile) for layer in range(spec.num_layers))
+    flops = 2.0 * per_head * pairs / (s.tp * s.pp)
+    if not cpu:
+        dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
+        return flops / (_compute_peak(dev, dtype) * eff.tensor)
+    seconds = flops / (dev.tflops("f32") * 1e12 * eff.attention) * (1.0 if tile > 1 else CPU_ROW_PATH_SLOWDOWN)
+    if quantized:
+        expanded = per_head * pairs / (s.tp * s.pp)
+        seconds += expanded * s.kv.dequant_ops / (dev.vector_tflops * 1e12 * eff.vector)
+    return seconds
+
+
 def prefill_time(profile: ModelProfile, cluster: Cluster, s: Strategy, tokens: int, cal: Calibration) -> float:
     """Seconds to process one prompt of `tokens` tokens (time to first token, without queueing)."""
     dev = cluster.device
@@ -188,15 +232,9 @@ def prefill_time(profile: ModelProfile, cluster: Cluster, s: Strategy, tokens: i
     tokens = max(1, tokens)
     shard = s.tp * s.pp
     spec = profile.spec
-    attn = 0.0
-    per_head = (2 * spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) if spec.mla else 2 * spec.head_dim
-    for layer in range(spec.num_layers):
-        w = spec.window(layer)
-        span = min(w, tokens) if w else tokens / 2  # causal: a token sees half the prompt on average
-        attn += 2.0 * spec.num_heads * per_head * tokens * span
-    flops = (2 * tokens * profile.active_params + attn) / shard
     dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
-    compute_s = flops / (_compute_peak(dev, dtype) * eff.tensor)
+    compute_s = 2 * tokens * profile.active_params / shard / (_compute_peak(dev, dtype) * eff.tensor)
+    compute_s += prefill_attention_s(profile, dev, s, tokens, eff)
     touched = profile.touched_experts(tokens)
     weights = profile.step_bytes(s.mix, touched) / shard
     memory_s = weights / (dev.bandwidth_gbs * 1e9 * eff.bandwidth)
