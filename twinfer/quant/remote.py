@@ -4,8 +4,8 @@ The reference is a local SPEC (quant/fidelity.py) with its full next-token distr
 endpoint scores the same token stream, teacher-forced, through the completions API with token-id
 prompts. It gives its top-k logprobs either for every prompt token at once (`echo` + `logprobs`,
 vLLM's and OpenAI's legacy prompt logprobs) or, where it refuses that, one position per request
-(`max_tokens=1`, `logprobs=k`, k <= 20 on OpenAI's API). KL is estimated from the top k with the
-rest as one tail bucket (quant/topk_kl.py: a lower bound on the exact KL).
+(`max_tokens=1`, `logprobs=k`, k <= 20 on OpenAI's API). KL is estimated from the top k with a censored log-normal
+model of the tail (quant/topk_kl.py); the plain tail-bucket lower bound is reported beside it.
 
 Before scoring, the endpoint's tokenizer must agree with the model's on the corpus (vLLM's
 `/tokenize` where it exists, else the prompt token count the endpoint reports).
@@ -23,7 +23,7 @@ import numpy as np
 
 from twinfer.quant.fidelity import RunnerFactory, corpus_windows, open_source
 from twinfer.quant.kl import KLReport
-from twinfer.quant.topk_kl import TopRow, topk_kl_rows
+from twinfer.quant.topk_kl import BOUND, ESTIMATOR, TopRow, topk_estimate_rows
 from twinfer.runtime.corpus import corpus_text
 from twinfer.runtime.errors import TwinferError
 from twinfer.runtime.model_path import resolve_path
@@ -157,6 +157,8 @@ class RemoteKLReport:
     top_k: int
     tokenizer_check: str
     candidate_tail_mass: float  # mean probability the endpoint left outside its top k
+    bound: KLReport | None = None  # the tail-bucket lower bound on the same rows (`kl` is the estimate)
+    sigma: float = 0.0  # RMS over rows of the fitted sigma of log q - log p
     threshold: float = FAITHFUL_KL
 
     @property
@@ -165,8 +167,11 @@ class RemoteKLReport:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        return {**self.kl.as_dict(), **{k: v for k, v in d.items() if k != "kl"}, "faithful": self.faithful,
-                "estimator": f"top-{self.top_k} + tail bucket (a lower bound on the exact KL)"}
+        out = {**self.kl.as_dict(), **{k: v for k, v in d.items() if k not in ("kl", "bound")},
+               "faithful": self.faithful, "estimator": f"{ESTIMATOR}, k = {self.top_k}"}
+        if self.bound is not None:
+            out["bound"] = {**self.bound.as_dict(), "estimator": f"{BOUND}, k = {self.top_k}"}
+        return out
 
     def lines(self) -> list[str]:
         verdict = (f"faithful: mean KL {self.kl.mean_kl:.2e} <= {self.threshold:g}" if self.faithful else
@@ -175,8 +180,9 @@ class RemoteKLReport:
         return [
             *self.kl.lines(),
             f"  endpoint {self.endpoint}: model {self.served_model!r}, system_fingerprint {self.system_fingerprint}",
-            f"  {self.method}, top-{self.top_k} logprobs + tail bucket (a lower bound on the exact KL); "
+            f"  {self.method}, top-{self.top_k} logprobs; estimator: {ESTIMATOR} (sigma {self.sigma:.3f}); "
             f"candidate tail mass {self.candidate_tail_mass:.4f}; tokenizer checked by {self.tokenizer_check}",
+            *([f"  lower bound ({BOUND}): mean KL {self.bound.mean_kl:.2e}"] if self.bound is not None else []),
             f"  {self.seconds:.1f} s",
             f"  {verdict}",
         ]
@@ -239,18 +245,22 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
     how = check_tokenizer(endpoint, tokenizer, _corpus_sample(corpus, tokens))
     pieces = PieceIndex(tokenizer)
     ref = open_source(reference, model, window, runners)
-    kls, agrees, tails, method = [], [], [], ""
+    ests, bounds, agrees, tails, sigmas, method = [], [], [], [], [], ""
     for w in windows:
         if len(w) < 2:
             continue
         rows, method = endpoint_rows(endpoint, w, top_k, pieces)
-        kl, agree, tail = topk_kl_rows(ref.logits(w)[:-1], rows)
-        kls.append(kl)
-        agrees.append(agree)
-        tails.append(tail)
-    report = _kl_report(reference, url, str(corpus), kls, agrees)
+        scored = topk_estimate_rows(ref.logits(w)[:-1], rows)
+        ests.append(scored.estimate)
+        bounds.append(scored.bucket)
+        agrees.append(scored.agree)
+        tails.append(scored.tail)
+        sigmas.append(scored.sigma)
+    report = _kl_report(reference, url, str(corpus), ests, agrees)
+    bound = _kl_report(reference, url, str(corpus), bounds, agrees)
     return RemoteKLReport(report, url, endpoint.model, endpoint.system_fingerprint, time.perf_counter() - start,
-                          method, top_k, how, float(np.concatenate(tails).mean()), threshold)
+                          method, top_k, how, float(np.concatenate(tails).mean()), bound,
+                          float(np.sqrt(np.mean(np.concatenate(sigmas) ** 2))), threshold)
 
 
 def _corpus_sample(corpus: str, tokens: int) -> str:
