@@ -97,6 +97,10 @@ def test_echo_logprobs_format_through_the_openai_client(served: tuple[ServerThre
     only = client(st).completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=2)
     assert only.choices[0].text == tok.decode(ids, True) and len(only.choices[0].logprobs.tokens) == len(ids)
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]  # same prompt, same numbers
+    streamed = [c.choices[0] for c in client(st).completions.create(
+        model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=2, stream=True) if c.choices]
+    assert "".join(c.text for c in streamed) == only.choices[0].text
+    assert [x for c in streamed if c.logprobs for x in c.logprobs.token_logprobs] == lp.token_logprobs[: len(ids)]
 
 
 def test_served_prompt_logprobs_are_bit_identical_to_runner_source(served: tuple[ServerThread, Engine, Any]) -> None:
