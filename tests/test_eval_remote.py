@@ -111,8 +111,10 @@ def test_q2_k_server_matches_local_estimate_and_is_flagged(served: Callable[...,
     remote = measure_remote_kl(None, "llamacpp", served(str(q2_k), "q2"), "prose", TOKENS, WINDOW, runners=RUNNERS)
     assert exact > 0.05  # Q2_K of a 270M model is far from faithful
     assert abs(remote.kl.mean_kl - exact) <= 0.2 * exact, (remote.kl.mean_kl, exact)
-    assert remote.kl.mean_kl == pytest.approx(local, rel=1e-3)  # the endpoint's top 20 are the local runner's
-    assert remote.bound is not None and remote.bound.mean_kl <= exact * 1.01 < remote.kl.mean_kl * 1.2
+    # the endpoint's top 20 are the local runner's; the token it adds to each (OpenAI's API returns the
+    # sampled or prompt token's logprob too) is one exact term more in the sums
+    assert remote.kl.mean_kl == pytest.approx(local, rel=0.02)
+    assert remote.bound is not None and remote.bound.mean_kl <= exact * 1.01  # a lower bound on the exact KL
     assert remote.bound.mean_kl < remote.kl.mean_kl  # the tail model adds what the bucket misses
     assert not remote.faithful and any(line.strip().startswith("FLAGGED") for line in remote.lines())
     d = remote.as_dict()

@@ -250,7 +250,7 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
         if len(w) < 2:
             continue
         rows, method = endpoint_rows(endpoint, w, top_k, pieces)
-        scored = topk_estimate_rows(ref.logits(w)[:-1], rows)
+        scored = topk_estimate_rows(ref.logits(w)[:-1], rows, top_k)
         ests.append(scored.estimate)
         bounds.append(scored.bucket)
         agrees.append(scored.agree)
