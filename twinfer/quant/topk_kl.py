@@ -36,7 +36,7 @@ from twinfer.quant.kl import log_softmax
 TopRow = Sequence[tuple[Sequence[int], float]]
 
 TAIL_TOKENS = 1000  # the reference's most likely tokens the noise model is fitted on (seen or censored)
-SIGMA_RANGE = (1e-4, 10.0)  # the fit's bounds on sigma, in nats
+SIGMA_RANGE = (1e-8, 10.0)  # the fit's bounds on sigma, in nats
 ESTIMATOR = "top-k + censored log-normal tail model"
 BOUND = "top-k + tail bucket (a lower bound on the exact KL)"
 
