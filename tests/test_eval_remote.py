@@ -79,9 +79,12 @@ def test_twinfer_serve_with_prefix_cache_is_faithful(served: Callable[..., str])
     url = served(None, NAME, prefix_cache=True)
     report = measure_remote_kl(None, "llamacpp", url, "prose", TOKENS, WINDOW, runners=RUNNERS)
     assert report.method == "echo" and report.kl.tokens == TOKENS
-    # the logprobs are bit-identical (tests/test_prompt_logprobs.py); the top-k estimator's own float64
-    # rounding (np.exp of an array vs of a scalar) leaves KL ~1e-17 per row, not 0.0
-    assert report.kl.mean_kl <= 1e-12 and report.kl.top1_agreement == 1.0 and report.faithful, report
+    # The logprobs are bit-identical (tests/test_prompt_logprobs.py). The tail-bucket bound then leaves
+    # only float64 rounding (np.exp of an array vs of a scalar, ~1e-17); the tail model's estimate adds
+    # p_tail * sigma^2 / 2 at the fit's smallest sigma (~1e-9).
+    bound = report.bound if report.bound is not None else report.kl
+    assert bound.mean_kl <= 1e-12 and report.kl.mean_kl <= 1e-6, report
+    assert report.kl.top1_agreement == 1.0 and report.faithful, report
 
 
 def _local_topk(candidate: str, k: int = 20) -> tuple[float, float]:
