@@ -97,7 +97,8 @@ def eval_kl(
     """KL(reference || candidate) of next-token distributions on the same token stream.
 
     The candidate may be an OpenAI-compatible endpoint (http(s)://.../v1): KL is then estimated from
-    its top-k logprobs with the rest as one tail bucket (a lower bound on the exact KL).
+    its top-k logprobs with a censored log-normal model of the tail; the tail-bucket lower bound is
+    printed beside it.
     """
     from twinfer.cli.eval_cmd import run_eval_kl
 
