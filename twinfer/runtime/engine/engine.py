@@ -280,7 +280,9 @@ class Engine:
                     plain.append((request, row + chunk.logit_rows - 1))
             row += chunk.logit_rows
         if plain:
-            results = sample(logits[[r for _, r in plain]], [request.row for request, _ in plain])
+            rows = [r for _, r in plain]
+            picked = logits if rows == list(range(len(logits))) else logits[rows]  # a decode step: no copy
+            results = sample(picked, [request.row for request, _ in plain])
             new += [(request, [result]) for (request, _), result in zip(plain, results, strict=True)]
         outputs = [self._emit(request, results) for request, results in new]
         return [out for out in outputs if out is not None]
