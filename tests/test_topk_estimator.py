@@ -9,6 +9,7 @@ tokens that made the candidate's top k carry.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,3 +108,82 @@ def test_report_names_the_estimator_and_prints_the_bound_beside_it() -> None:
     d = r.as_dict()
     assert d["mean_kl"] == 0.52 and d["bound"]["mean_kl"] == 0.30 and d["faithful"] is False
     assert d["estimator"].startswith("top-k + censored") and d["bound"]["estimator"].startswith("top-k + tail bucket")
+
+
+def test_probes_are_exact_terms_that_tighten_the_bound() -> None:
+    rng = np.random.default_rng(5)
+    p = zipf_logits(rng)
+    q = p + rng.normal(0, 1.2, p.shape)
+    lq, exact = log_softmax(q), kl_rows(p, q)
+    top = truncate_top_k(q, 5)
+    probes = []
+    for r, row in enumerate(top):
+        have = {i for ids, _ in row for i in ids}
+        probes.append([(int(t), float(lq[r, t])) for t in np.argsort(-p[r])[:20] if int(t) not in have][:8])
+    plain, probed = topk_estimate_rows(p, top, 5), topk_estimate_rows(p, top, 5, probes)
+    assert np.all(probed.bucket <= exact + 1e-12) and probed.bucket.mean() > plain.bucket.mean()
+    assert abs(probed.estimate.mean() - exact.mean()) <= 0.1 * exact.mean()
+    assert np.all(probed.ref_tail < plain.ref_tail)
+
+
+# -- logit_bias probes against stub endpoints ------------------------------------------------------
+
+def probe_stub(kind: str, lq: np.ndarray) -> tuple[Any, list[int]]:
+    """A stub completions endpoint over one candidate distribution `lq` [vocab]: it honours logit_bias and
+    returns raw logprobs ("raw"), the biased distribution's ("biased"), or ignores the bias ("refused")."""
+    from test_eval_remote import Stub, _completion, _models
+
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    calls: list[int] = []
+
+    def complete(body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        bias = {int(t): float(b) for t, b in (body.get("logit_bias") or {}).items()}
+        calls.append(len(bias))
+        shown = lq.copy()
+        if kind == "biased":
+            for t, b in bias.items():
+                shown[t] += b
+            shown = log_softmax(shown)
+        chosen = int(np.argmax(shown if kind == "refused" else lq + np.bincount(
+            list(bias), list(bias.values()), minlength=lq.size)))
+        top = {tok.decode([int(i)]): float(shown[i]) for i in np.argsort(-shown)[: body["logprobs"]]}
+        return 200, _completion({"tokens": [tok.decode([chosen])], "token_logprobs": [float(shown[chosen])],
+                                 "top_logprobs": [top], "text_offset": [0]}), {}
+
+    return Stub({"/v1/models": _models, "/v1/completions": complete}), calls
+
+
+@pytest.mark.parametrize("kind", ["raw", "biased", "refused"])
+def test_logit_bias_probe_recovers_the_raw_logprob(kind: str) -> None:
+    pytest.importorskip("openai")
+    from twinfer.quant.remote import Endpoint, PieceIndex
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    pieces = PieceIndex(tok)
+    lq = log_softmax(np.random.default_rng(6).normal(0, 2.0, tok.vocab_size))
+    unique = [i for i in np.argsort(-lq)[:400].tolist() if len(pieces.ids.get(tok.decode([i]), [])) == 1]
+    best = (pieces.ids[tok.decode([unique[0]])], float(lq[unique[0]]))  # the unbiased top-1
+    target = unique[-1]  # far outside the top 20
+    stub, calls = probe_stub(kind, lq)
+    try:
+        got = Endpoint(stub.url).probe([2, 100], target, 20, best, pieces)
+    finally:
+        stub.close()
+    assert calls == [1]
+    if kind == "refused":
+        assert got is None
+        return
+    assert got == pytest.approx(float(lq[target]), abs=1e-6)
+
+
+def test_biased_inversion_is_the_single_token_formula() -> None:
+    """For one token biased by b, log q = lq' - b + (l1 - l1') equals q = q' / (e^b - q' (e^b - 1))."""
+    q, b = 3e-4, 5.0
+    z = 1 - q + q * math.exp(b)
+    q_biased, top1, top1_biased = q * math.exp(b) / z, 0.4, 0.4 / z
+    ratio = math.log(q_biased) - b + math.log(top1) - math.log(top1_biased)
+    single = q_biased / (math.exp(b) - q_biased * (math.exp(b) - 1))
+    assert math.exp(ratio) == pytest.approx(q, rel=1e-12) and single == pytest.approx(q, rel=1e-12)

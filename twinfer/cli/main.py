@@ -93,6 +93,8 @@ def eval_kl(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     top_k: Annotated[int, typer.Option("--top-k", help="Top logprobs asked of a URL candidate (<= 20).")] = 20,
     api_key_env: Annotated[str, typer.Option("--api-key-env", help="Variable holding a URL candidate's API key.")] = "OPENAI_API_KEY",
+    probes: Annotated[int, typer.Option("--probes", help="logit_bias probes per position of a URL candidate: the reference's likeliest tokens outside its top k.")] = 0,
+    probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Time limit on all probes, in seconds.")] = 60.0,
 ) -> None:
     """KL(reference || candidate) of next-token distributions on the same token stream.
 
@@ -102,7 +104,8 @@ def eval_kl(
     """
     from twinfer.cli.eval_cmd import run_eval_kl
 
-    run_eval_kl(model, reference, candidate, corpus, tokens, window, json_out, top_k, api_key_env)
+    run_eval_kl(model, reference, candidate, corpus, tokens, window, json_out, top_k, api_key_env, probes,
+                probe_seconds)
 
 
 # -- commands added by later modules go below this line (keep each body a lazy import) ----------

@@ -29,6 +29,7 @@ from twinfer.runtime.errors import TwinferError
 from twinfer.runtime.model_path import resolve_path
 
 FAITHFUL_KL = 1e-3  # mean KL at or below which an endpoint serves the model faithfully
+PROBE_BIAS = 100.0  # OpenAI's largest logit_bias: the probed token becomes the greedy choice
 
 
 def is_url(spec: str) -> bool:
@@ -64,6 +65,7 @@ class Endpoint:
         self.model = self._call(self._served_model)
         self.system_fingerprint: str | None = None
         self.echo: bool | None = None  # whether it returns prompt logprobs; None until asked
+        self.probe_kind: str | None = None  # "raw" or "biased" logprobs under logit_bias, "refused"; None until probed
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one SDK call; its failures become one-line `TwinferError`s that say what to do."""
@@ -96,6 +98,29 @@ class Endpoint:
                          temperature=0.0, logprobs=k)
         self.system_fingerprint = getattr(out, "system_fingerprint", None) or self.system_fingerprint
         return out
+
+    def probe(self, prompt: list[int], token: int, k: int, best: tuple[Sequence[int], float],
+              pieces: PieceIndex) -> float | None:
+        """The candidate's logprob of `token` after `prompt`, by a `logit_bias` probe: biased to the top, it
+        is the greedy choice and returns its logprob. Servers that return raw logprobs (vLLM's default,
+        twinfer serve) give it as is; where the logprobs are of the biased distribution, the unbiased top-1
+        `best` (its ids and logprob) undoes the bias: log q = lq' - b + (l1 - l1'). None where the probe
+        cannot be read (the bias was not honoured, or the top-1 left the biased top k)."""
+        out = self._call(self.client.completions.create, model=self.model, prompt=prompt, max_tokens=1,
+                         temperature=0.0, logprobs=k, logit_bias={str(token): PROBE_BIAS})
+        lp = getattr(out.choices[0], "logprobs", None)
+        chosen = list(getattr(lp, "tokens", None) or [])
+        values = list(getattr(lp, "token_logprobs", None) or [])
+        tops = list(getattr(lp, "top_logprobs", None) or [])
+        if not chosen or not values or token not in pieces.ids.get(chosen[0], []):
+            self.probe_kind = "refused"
+            return None
+        top1 = next((v for ids, v in pieces.row(tops[0] if tops else None) if list(ids) == list(best[0])), None)
+        if top1 is None:
+            return None
+        raw = abs(top1 - best[1]) < 1e-3
+        self.probe_kind = "raw" if raw else "biased"
+        return float(values[0]) if raw else float(values[0]) - PROBE_BIAS + best[1] - top1
 
     def prompt_logprobs(self, prompt: list[int], k: int) -> list[dict[str, float] | None] | None:
         """Top-k logprobs of every prompt position (`echo`), or None (and `echo` False) where it refuses."""
@@ -159,6 +184,8 @@ class RemoteKLReport:
     candidate_tail_mass: float  # mean probability the endpoint left outside its top k
     bound: KLReport | None = None  # the tail-bucket lower bound on the same rows (`kl` is the estimate)
     sigma: float = 0.0  # RMS over rows of the fitted sigma of log q - log p
+    probes: int = 0  # logit_bias probes answered (tokens outside the top k whose logprob was learnt)
+    probe_kind: str | None = None  # how the endpoint answers them: "raw", "biased" or "refused"
     threshold: float = FAITHFUL_KL
 
     @property
@@ -183,6 +210,7 @@ class RemoteKLReport:
             f"  {self.method}, top-{self.top_k} logprobs; estimator: {ESTIMATOR} (sigma {self.sigma:.3f}); "
             f"candidate tail mass {self.candidate_tail_mass:.4f}; tokenizer checked by {self.tokenizer_check}",
             *([f"  lower bound ({BOUND}): mean KL {self.bound.mean_kl:.2e}"] if self.bound is not None else []),
+            *([f"  {self.probes} logit_bias probes ({self.probe_kind} logprobs)"] if self.probe_kind else []),
             f"  {self.seconds:.1f} s",
             f"  {verdict}",
         ]
@@ -232,12 +260,19 @@ def endpoint_rows(endpoint: Endpoint, tokens: list[int], k: int, pieces: PieceIn
 
 def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, tokens: int, window: int = 256, *,
                       runners: RunnerFactory, top_k: int = 20, api_key_env: str = "OPENAI_API_KEY",
-                      retries: int = 4, threshold: float = FAITHFUL_KL) -> RemoteKLReport:
-    """KL(reference || endpoint) over `tokens` corpus tokens, estimated from the endpoint's top-k logprobs."""
+                      retries: int = 4, threshold: float = FAITHFUL_KL, probes: int = 0,
+                      probe_seconds: float = 60.0) -> RemoteKLReport:
+    """KL(reference || endpoint) over `tokens` corpus tokens, estimated from the endpoint's top-k logprobs.
+
+    `probes` > 0 also asks, per position, for the logprobs of up to that many of the reference's most
+    likely tokens missing from the endpoint's top k (one `logit_bias` request each), within
+    `probe_seconds` in all."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
     if not 1 <= top_k <= 20:
         raise TwinferError(f"--top-k must be in [1, 20] (OpenAI's limit on logprobs), got {top_k}")
+    if probes < 0 or probe_seconds < 0:
+        raise TwinferError(f"--probes and --probe-seconds must be >= 0, got {probes} and {probe_seconds}")
     start = time.perf_counter()
     endpoint = Endpoint(url, api_key_env, retries)
     tokenizer = load_tokenizer(resolve_path(model))
@@ -245,12 +280,16 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
     how = check_tokenizer(endpoint, tokenizer, _corpus_sample(corpus, tokens))
     pieces = PieceIndex(tokenizer)
     ref = open_source(reference, model, window, runners)
-    ests, bounds, agrees, tails, sigmas, method = [], [], [], [], [], ""
+    ests, bounds, agrees, tails, sigmas, method, n_probes = [], [], [], [], [], "", 0
+    deadline = time.perf_counter() + probe_seconds
     for w in windows:
         if len(w) < 2:
             continue
         rows, method = endpoint_rows(endpoint, w, top_k, pieces)
-        scored = topk_estimate_rows(ref.logits(w)[:-1], rows, top_k)
+        ref_logits = ref.logits(w)[:-1]
+        probed = probe_rows(endpoint, w, rows, ref_logits, top_k, pieces, probes, deadline) if probes else None
+        n_probes += sum(len(p) for p in probed or ())
+        scored = topk_estimate_rows(ref_logits, rows, top_k, probed)
         ests.append(scored.estimate)
         bounds.append(scored.bucket)
         agrees.append(scored.agree)
@@ -260,7 +299,28 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
     bound = _kl_report(reference, url, str(corpus), bounds, agrees)
     return RemoteKLReport(report, url, endpoint.model, endpoint.system_fingerprint, time.perf_counter() - start,
                           method, top_k, how, float(np.concatenate(tails).mean()), bound,
-                          float(np.sqrt(np.mean(np.concatenate(sigmas) ** 2))), threshold)
+                          float(np.sqrt(np.mean(np.concatenate(sigmas) ** 2))), n_probes, endpoint.probe_kind,
+                          threshold)
+
+
+def probe_rows(endpoint: Endpoint, tokens: list[int], rows: Sequence[TopRow], ref_logits: np.ndarray, k: int,
+               pieces: PieceIndex, per_row: int, deadline: float) -> list[list[tuple[int, float]]]:
+    """Per row, (token, candidate logprob) of up to `per_row` of the reference's most likely tokens missing
+    from the row, by `logit_bias` probes; stops at `deadline` (perf_counter) or where the endpoint refuses."""
+    out: list[list[tuple[int, float]]] = [[] for _ in rows]
+    for r, row in enumerate(rows):
+        if not row:
+            continue
+        have = {int(i) for ids, _ in row for i in ids}
+        best = max(row, key=lambda e: e[1])
+        wanted = [int(t) for t in np.argsort(-ref_logits[r])[: per_row + len(have)] if int(t) not in have]
+        for t in wanted[:per_row]:
+            if time.perf_counter() > deadline or endpoint.probe_kind == "refused":
+                return out
+            lq = endpoint.probe(tokens[: r + 1], t, k, best, pieces)
+            if lq is not None:
+                out[r].append((t, lq))
+    return out
 
 
 def _corpus_sample(corpus: str, tokens: int) -> str:

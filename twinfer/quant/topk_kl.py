@@ -95,11 +95,15 @@ class TopKRows:
     sigma: np.ndarray
 
 
-def topk_estimate_rows(ref_logits: np.ndarray, cand_top: Sequence[TopRow], k: int | None = None) -> TopKRows:
+def topk_estimate_rows(ref_logits: np.ndarray, cand_top: Sequence[TopRow], k: int | None = None,
+                       probes: Sequence[Sequence[tuple[int, float]]] | None = None) -> TopKRows:
     """Both estimates for rows of reference logits [rows, vocab] and the candidate's top-k rows.
 
     `k` is the number of logprobs asked for: entries below a row's k best (OpenAI's API adds the sampled
-    token's) count in the sums but not in the fit, whose censoring bound is the k-th best logprob."""
+    token's) count in the sums but not in the fit, whose censoring bound is the k-th best logprob.
+    `probes` are per row (token id, candidate logprob) pairs learnt outside the top k (logit_bias
+    probes of tokens chosen by the reference's probability): exact terms of both sums, and seen values
+    of the fit (chosen by p, they carry no selection on q)."""
     lp = log_softmax(ref_logits)
     if lp.shape[0] != len(cand_top):
         raise ValueError(f"{lp.shape[0]} reference rows but {len(cand_top)} candidate rows")
@@ -111,14 +115,17 @@ def topk_estimate_rows(ref_logits: np.ndarray, cand_top: Sequence[TopRow], k: in
     ranked = np.argpartition(-lp, m - 1, axis=-1)[:, :m]
     for r, row in enumerate(cand_top):
         total_p = total_q = 0.0
-        seen_ids: dict[int, float] = {}  # reference id in the k best entries -> d of its entry
+        seen_ids: dict[int, float] = {}  # reference id in the k best entries or probed -> d of its entry
         ranked_row = sorted(row, key=lambda e: -e[1])
-        for j, (ids, lq) in enumerate(ranked_row):
+        fit_size = min(k or len(row), len(row))
+        known = {int(i) for ids, _ in row for i in ids}
+        extra = [((t,), lq) for t, lq in (probes[r] if probes else ()) if t not in known]
+        for j, (ids, lq) in enumerate([*ranked_row, *extra]):
             p = float(np.exp(lp[r, list(ids)]).sum()) if len(ids) else 0.0
             total_p, total_q = total_p + p, total_q + float(np.exp(lq))
             if p > 0:
                 bucket[r] += p * (np.log(p) - lq)
-                if k is None or j < k:
+                if j < fit_size or j >= len(row):
                     seen_ids.update((int(i), lq - np.log(p)) for i in ids)
         p_tail, q_tail = max(1.0 - total_p, 0.0), max(1.0 - total_q, 1e-30)
         if p_tail > 0:
@@ -129,7 +136,7 @@ def topk_estimate_rows(ref_logits: np.ndarray, cand_top: Sequence[TopRow], k: in
             top = ranked[r].tolist()
             seen = np.array([seen_ids[i] for i in top if i in seen_ids])
             if seen.size >= 2:  # fewer leaves the fit unbounded; such rows take the others' sigma
-                q_min = ranked_row[min(k or len(row), len(row)) - 1][1]
+                q_min = ranked_row[fit_size - 1][1]
                 bounds = np.array([q_min - lp[r, i] for i in top if i not in seen_ids])
                 sigma[r] = censored_normal_fit(seen, bounds)[1]
         tail[r], ref_tail[r] = max(1.0 - total_q, 0.0), p_tail
