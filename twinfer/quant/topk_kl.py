@@ -18,8 +18,8 @@ is known in full. Two estimates of KL(p || q):
 
       KL_est = KL_k + p_tail * sigma^2 / 2.
 
-  Measured against the exact KL (`bench/topk_kl_error.py`, docs/quantization.md) it is within 2-18%
-  at k = 5..20, below the exact KL on every candidate measured (it does not overshoot); it is exact
+  Measured against the exact KL (`bench/topk_kl_error.py`, docs/quantization.md) it is 3-18% below
+  it at k = 5..20 on every candidate measured (it does not overshoot); it is exact
   when nothing is truncated (p_tail = 0) and zero for an identical candidate (sigma -> 0).
 """
 
