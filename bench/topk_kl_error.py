@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 
-from twinfer.app.runners import RUNNERS
+from twinfer.app.models import open_model
 from twinfer.quant.fidelity import RunnerSource, corpus_windows
 from twinfer.quant.kl import kl_rows
 from twinfer.quant.topk_kl import topk_estimate_rows, truncate_top_k
@@ -38,10 +38,10 @@ def main() -> None:
                   "Q4_0": requantize_gguf(default, "q4_0", "MOSTLY_Q4_0"),
                   "Q2_K": requantize_gguf(default, "q2_k", "MOSTLY_Q2_K")}
     ctx = max(256, -(-(args.window + 1) // 256) * 256)
-    ref = RunnerSource(RUNNERS.open(None, "llamacpp", max_seqs=2, ctx=ctx, threads=1))
+    ref = RunnerSource(open_model(None, "llamacpp", max_seqs=2, ctx=ctx, threads=1).runner)
     rows = []
     for label, cand_path in candidates.items():
-        cand = RunnerSource(RUNNERS.open(str(cand_path), "llamacpp", max_seqs=2, ctx=ctx, threads=1))
+        cand = RunnerSource(open_model(str(cand_path), "llamacpp", max_seqs=2, ctx=ctx, threads=1).runner)
         for corpus in ("prose", "code"):
             rows.append(score(ref, cand, label, corpus, args.tokens, args.window))
             print(json.dumps(rows[-1]), flush=True)
