@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.app.bench import hardware_info
 from twinfer.app.runners import RUNNERS
 from twinfer.quant.fidelity import RunnerSource, corpus_windows, runner_with_options
 from twinfer.quant.kl import KLAccumulator
