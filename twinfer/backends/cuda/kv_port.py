@@ -1,42 +1,22 @@
-"""The torch runner's KV for a KV connector: each layer's K and V at a sequence's positions, as bytes.
-
-A layer's payload is K then V of positions [0, num_tokens), in position order ([n, Hkv, D] each; MLA:
-the latent only), so it is independent of either replica's block size or block ids.
-"""
+"""The torch runner's KV for a KV connector: each layer's K and V at a sequence's positions, as bytes
+(the payload layout of `runtime.kv.connector.PagedKVPort`)."""
 
 from __future__ import annotations
 
 import torch
 
 from twinfer.backends.cuda.ops import TorchOps
+from twinfer.runtime.kv.connector import PagedKVPort
 
 
-class TorchKVPort:
+class TorchKVPort(PagedKVPort):
     """`runtime.kv.connector.KVPort` over a `TorchOps` paged cache (dense K/V; TurboQuant codes are refused)."""
 
-    def __init__(self, ops: TorchOps):
-        self.ops = ops
-        spec = ops.spec
-        self.format = (f"torch:{spec.name}:{ops.dtype}:{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}"
-                       f":{'mla' if spec.mla is not None else 'mha'}")
-
-    def num_layers(self) -> int:
-        return self.ops.spec.num_layers
-
-    def kv_bytes(self, layer: int, data: bytes) -> int:
-        return len(data)  # K and V rows alone, no framing
+    backend = "torch"
+    ops: TorchOps
 
     def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
-        bs = self.ops.block_size
-        if len(table) * bs < num_tokens:
-            raise ValueError(f"{len(table)} KV blocks cannot hold {num_tokens} positions")
-        pos = torch.arange(num_tokens)
-        blocks = torch.as_tensor(table, dtype=torch.int64)[pos // bs]
-        return (blocks * bs + pos % bs).to(self.ops.device)
-
-    def check(self) -> None:
-        if self.ops.kv_quant:
-            raise ValueError("a TurboQuant-coded KV cache cannot be handed to another replica; serve with dense KV")
+        return torch.from_numpy(self.positions(table, num_tokens)).to(self.ops.device)
 
     def save_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int) -> bytes:
         self.check()
@@ -49,8 +29,7 @@ class TorchKVPort:
         slots = self._slots(table, num_tokens)
         caches = (self.ops.k_cache[layer], self.ops.v_cache[layer])
         sizes = [num_tokens * c[0].numel() * c.element_size() if c.shape[0] else 0 for c in caches]
-        if sum(sizes) != len(data):
-            raise ValueError(f"layer {layer}: {len(data)} bytes of KV, expected {sum(sizes)} for {num_tokens} positions")
+        self.check_size(layer, data, sizes, num_tokens)
         at = 0
         for cache, size in zip(caches, sizes, strict=True):
             if not size:

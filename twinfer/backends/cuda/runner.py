@@ -11,7 +11,7 @@ from twinfer.backends.cuda.formats import convert_weight, native_weight_format
 from twinfer.backends.cuda.graphs import TorchRunner
 from twinfer.backends.cuda.kv_port import TorchKVPort
 from twinfer.backends.cuda.ops import TorchOps
-from twinfer.runtime.kv.traffic import StepTraffic
+from twinfer.runtime.kv.traffic import StepTraffic, held_bytes, resident_traffic
 from twinfer.runtime.runner import KVLayout
 from twinfer.runtime.spec import ModelSpec
 
@@ -74,42 +74,13 @@ def build_torch_runner(
     return runner
 
 
-def _nbytes(value: Any) -> int:
-    """Device bytes of a weight: a tensor, or a packed format's tensors (QuantizedWeight and friends)."""
-    if isinstance(value, torch.Tensor):
-        return int(value.nbytes)
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if hasattr(value, "__dict__"):
-        return sum(_nbytes(v) for v in vars(value).values())
-    return 0
-
-
 def torch_traffic(spec: ModelSpec, weights: Mapping[str, Any], ops: TorchOps, slots: int) -> StepTraffic:
-    """What a step reads and writes: every resident weight (an untied embedding table only by its rows,
-    so not counted), routed experts by the share a step touches, and the KV cache's bytes per slot
-    (`slots`: the cache's positions)."""
-    dense = experts = 0
-    expert_layers: set[str] = set()
-    for name, value in weights.items():
-        size = _nbytes(value)
-        if name == "embed" and not spec.tie_word_embeddings:
-            continue
-        if "expert" in name and "shared" not in name and spec.moe is not None:
-            experts += size
-            expert_layers.add(name.split(".")[1] if name.startswith("layers.") else name)
-        else:
-            dense += size
-    tq = [int(c.nbytes) for c in ops.kv_quant] or [0] * spec.num_layers  # TurboQuant codes, when coded
-    layer = tuple((int(k.nbytes) + int(v.nbytes) + q) / slots
-                  for k, v, q in zip(ops.k_cache, ops.v_cache, tq, strict=True))
-    moe = spec.moe
-    n_moe = len(expert_layers)
-    per_expert = experts / (moe.num_experts * n_moe) if moe is not None and n_moe else 0.0
-    return StepTraffic(float(dense), layer, tuple(spec.window(i) for i in range(spec.num_layers)), per_expert,
-                       moe.num_experts if moe is not None and n_moe else 0, moe.top_k if moe is not None else 0, n_moe)
+    """What a step reads and writes: every resident weight (`kv.traffic.resident_traffic`'s accounting)
+    and the KV cache's bytes per slot (`slots`: the cache's positions; TurboQuant codes added when coded)."""
+    tq = [int(c.nbytes) for c in ops.kv_quant] or [0] * spec.num_layers
+    layers = tuple((int(k.nbytes) + int(v.nbytes) + q) / slots
+                   for k, v, q in zip(ops.k_cache, ops.v_cache, tq, strict=True))
+    return resident_traffic(spec, {n: float(held_bytes(w, torch.Tensor)) for n, w in weights.items()}, layers)
 
 
 def open_torch_runner(loaded: LoadedModel, *, kv_tokens: int, threads: int | None = None, dtype: str | None = None,

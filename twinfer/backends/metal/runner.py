@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from twinfer.backends.metal.kv_port import MlxKVPort
 from twinfer.backends.metal.ops import MlxOps
-from twinfer.runtime.kv.traffic import StepTraffic, resident_traffic
+from twinfer.runtime.kv.traffic import StepTraffic, held_bytes, resident_traffic
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
 from twinfer.runtime.spec import ModelSpec
@@ -74,19 +74,6 @@ def _build(
     return runner
 
 
-def _nbytes(value: Any) -> int:
-    """Bytes of a held weight: an array, or a quantized linear's arrays (MlxAffineLinear and friends)."""
-    if isinstance(value, mx.array):
-        return int(value.nbytes)
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if hasattr(value, "__dict__"):
-        return sum(_nbytes(v) for v in vars(value).values())
-    return 0
-
-
 def mlx_traffic(spec: ModelSpec, weights: Mapping[str, Any], ops: MlxOps, slots: int) -> StepTraffic:
     """What a step reads and writes: the weights as held (the torch runner's accounting), and each layer's
     KV cache bytes per slot (`slots`: the cache's positions; dense K/V, or TurboQuant's codes and norms)."""
@@ -94,7 +81,7 @@ def mlx_traffic(spec: ModelSpec, weights: Mapping[str, Any], ops: MlxOps, slots:
         layers = tuple(c.nbytes / slots for c in ops.kv_quant)
     else:
         layers = tuple((k.nbytes + v.nbytes) / slots for k, v in zip(ops.k_cache, ops.v_cache, strict=True))
-    return resident_traffic(spec, {n: float(_nbytes(w)) for n, w in weights.items()}, layers)
+    return resident_traffic(spec, {n: float(held_bytes(w, mx.array)) for n, w in weights.items()}, layers)
 
 
 def _wire_working_set() -> None:

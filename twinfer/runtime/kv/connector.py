@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from twinfer.runtime.errors import RequestError
 
 _LEN = struct.Struct("<Q")
@@ -66,6 +68,42 @@ class KVPort(Protocol):
     def save_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int) -> bytes: ...
 
     def load_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int, data: bytes) -> None: ...
+
+
+class PagedKVPort:
+    """What the torch and MLX ports share over an `Ops` paged cache (dense K/V; TurboQuant codes are
+    refused): a layer's payload is K then V of positions [0, num_tokens) in position order ([n, Hkv, D]
+    each; MLA: the latent only), independent of either replica's block size or block ids."""
+
+    backend = ""
+
+    def __init__(self, ops: Any):
+        self.ops = ops
+        spec = ops.spec
+        self.format = (f"{self.backend}:{spec.name}:{ops.dtype}:{spec.num_layers}x{spec.num_kv_heads}x"
+                       f"{spec.head_dim}:{'mla' if spec.mla is not None else 'mha'}")
+
+    def num_layers(self) -> int:
+        return int(self.ops.spec.num_layers)
+
+    def kv_bytes(self, layer: int, data: bytes) -> int:
+        return len(data)  # K and V rows alone, no framing
+
+    def check(self) -> None:
+        if self.ops.kv_quant:
+            raise ValueError("a TurboQuant-coded KV cache cannot be handed to another replica; serve with dense KV")
+
+    def positions(self, table: list[int], num_tokens: int) -> np.ndarray:
+        """The cache slots of positions [0, num_tokens) under `table` (int64)."""
+        bs = self.ops.block_size
+        if len(table) * bs < num_tokens:
+            raise ValueError(f"{len(table)} KV blocks cannot hold {num_tokens} positions")
+        pos = np.arange(num_tokens)
+        return np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+
+    def check_size(self, layer: int, data: bytes, sizes: list[int], num_tokens: int) -> None:
+        if sum(sizes) != len(data):
+            raise ValueError(f"layer {layer}: {len(data)} bytes of KV, expected {sum(sizes)} for {num_tokens} positions")
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,20 @@ def kv_layer_bytes(spec: Any, bytes_per_element: float) -> tuple[float, ...]:
     return tuple(per_layer * bytes_per_element for _ in range(spec.num_layers))
 
 
+def held_bytes(value: Any, array: type) -> int:
+    """Bytes of a held weight: an `array` (a torch tensor, an mx array), or a packed format's arrays
+    (in a list, a dict or an object's attributes)."""
+    if isinstance(value, array):
+        return int(value.nbytes)  # type: ignore[attr-defined]
+    if isinstance(value, (list, tuple)):
+        return sum(held_bytes(v, array) for v in value)
+    if isinstance(value, dict):
+        return sum(held_bytes(v, array) for v in value.values())
+    if hasattr(value, "__dict__"):
+        return sum(held_bytes(v, array) for v in vars(value).values())
+    return 0
+
+
 def resident_traffic(spec: Any, weight_sizes: Mapping[str, float], kv_layer: tuple[float, ...]) -> StepTraffic:
     """A `StepTraffic` from the bytes of each resident weight (canonical names) and each layer's KV bytes per
     position: routed experts ("expert" in the name, not "shared") counted apart, by the share a step
