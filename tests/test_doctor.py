@@ -1,5 +1,5 @@
-"""`twinfer doctor`: every lossless stage passes on the default model and on tiny random models of
-llama, qwen3_moe and deepseek_v3; a fault injected into one stage (one layer's output scaled) is
+"""`twinfer doctor`: every lossless stage passes on the default model and on a tiny random model of
+every architecture (about 5 s each); a fault injected into one stage (one layer's output scaled) is
 named as the first divergence; the result records hardware, library versions and the git revision.
 """
 
@@ -47,6 +47,12 @@ def tiny(arch: str, root: str) -> Path:
     torch.manual_seed(0)
     if arch == "deepseek_v3":
         model: Any = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK))
+    elif arch in SEED_CASES:  # the seeds' MoE architectures, as test_arch_logits builds them
+        from test_arch_logits import BASE, CASES
+
+        prefix, kwargs = CASES[SEED_CASES[arch]]
+        config = getattr(transformers, f"{prefix}Config")(**{**BASE, **kwargs, "vocab_size": 98})
+        model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     else:  # the suite's tiny config, with room for the character tokenizer (98: TP=2 splits it)
         config_cls, model_cls, kwargs = HF_CONFIGS[arch]
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**kwargs, "vocab_size": 98}))
@@ -75,8 +81,11 @@ def assert_lossless_pass(report: DoctorReport) -> None:
 PROMPT = "The quick brown fox jumps over the lazy dog; def f(x): return x * 2"
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3_moe", marks=pytest.mark.slow),
-                                  pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+SEED_CASES = {"glm4_moe": "glm4_moe-a", "gpt_oss": "gpt_oss-b"}
+ARCHS = ["llama", *[a for a in HF_CONFIGS if a != "llama"], "deepseek_v3", *SEED_CASES]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_doctor_tiny_models_pass_every_lossless_stage(arch: str, root: str) -> None:
     report = run_doctor(str(tiny(arch, root)), PROMPT, tokens=48)
     stages = _by_name(report)
