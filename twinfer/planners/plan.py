@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinfer.planners.calibration import Calibration
-from twinfer.planners.cost import Strategy, kv_shard, prefill_time
+from twinfer.planners.cost import Strategy, kv_shard
 from twinfer.planners.explain import closest, explain, runners_up, smallest_change
 from twinfer.planners.hardware import GPU, Cluster
 from twinfer.planners.memory import max_concurrency, max_context
@@ -137,12 +137,11 @@ def make_plan(model: ModelProfile, cluster: Cluster, request: Request, cal: Cali
                     alternatives=tuple(runners_up(None, evaluated)))
     s = chosen.strategy
     prof = chosen.profile
-    ttft = prefill_time(prof, cluster, s, request.context, cal)
     reasons, warnings = explain(chosen, evaluated, cluster, request, cal)
     return Plan(
         model, cluster, request, target, chosen,
         max_concurrency=max_concurrency(prof, cluster, s, request.context),
         max_context=max_context(prof, cluster, s, request.concurrency),
-        ttft_s=ttft, reasons=tuple(reasons), warnings=tuple(warnings),
+        ttft_s=chosen.ttft_s, reasons=tuple(reasons), warnings=tuple(warnings),
         alternatives=tuple(runners_up(chosen, evaluated)), notes=notes,
     )

@@ -90,8 +90,10 @@ class Candidate:
     @property
     def decode_share(self) -> float:
         """The part of a request's time spent decoding: REPLY_TOKENS after a prompt of the context."""
-        decode_s = REPLY_TOKENS / self.single.tokens_per_s if self.single.tokens_per_s > 0 else math.inf
-        return decode_s / (decode_s + self.ttft_s) if math.isfinite(decode_s) else 0.0
+        if self.single.tokens_per_s <= 0:
+            return 0.0
+        decode_s = REPLY_TOKENS / self.single.tokens_per_s
+        return decode_s / (decode_s + self.ttft_s)
 
 
 def target_of(cluster: Cluster) -> str:

@@ -145,8 +145,3 @@ def topk_estimate_rows(ref_logits: np.ndarray, cand_top: Sequence[TopRow], k: in
     bucket = np.maximum(bucket, 0.0)
     return TopKRows(bucket + ref_tail * sigma**2 / 2, bucket, agree, tail, ref_tail, sigma)
 
-
-def topk_kl_rows(ref_logits: np.ndarray, cand_top: Sequence[TopRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: (KL_k(ref || cand), the tail-bucket lower bound; top-1 agreement; the candidate's tail mass)."""
-    rows = topk_estimate_rows(ref_logits, cand_top)
-    return rows.bucket, rows.agree, rows.tail

@@ -101,12 +101,8 @@ def _parse(data: bytes, values: bool, ext: int) -> SeqState:
                 kv += row * count
             for _ in range(n_layer if values else 0):  # V rows (or V transposed: element by element)
                 r.skip(4)
-                if v_trans:
-                    size = r.take("<I") * r.count("n_embd_v_gqa")
-                    headers += 12
-                else:
-                    size = r.take("<Q")
-                    headers += 12
+                size = r.take("<I") * r.count("n_embd_v_gqa") if v_trans else r.take("<Q")
+                headers += 12  # type + row size (v_trans: type + element size + row width)
                 r.skip(size * count)
                 kv += size * count
         cells.append(written)

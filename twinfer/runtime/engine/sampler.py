@@ -121,20 +121,12 @@ def with_logprobs(token: int, logits: np.ndarray, top: int | None) -> Sampled:
 
 
 def prompt_logprobs(logits: np.ndarray, targets: Sequence[int], top: int) -> list[Sampled]:
-    """Each row's next prompt token (`targets[i]` follows row i) with its logprob, rank and the `top`
-    most likely ids: `with_logprobs`'s numbers (the same float64 log-softmax), one row at a time (a
-    262k-vocabulary row is 2 MB in float64), evaluated only at the ids returned."""
+    """Each row's next prompt token (`targets[i]` follows row i) with `with_logprobs`'s logprob and `top`
+    most likely ids, and its rank; one row at a time (a 262k-vocabulary row is 2 MB in float64)."""
     out = []
     for row, token in zip(logits, targets, strict=True):
-        x = row.astype(np.float64)
-        m = x.max(axis=-1, keepdims=True)
-        norm = np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-        result = Sampled(int(token), float((x[token] - m - norm)[0]), rank=int(np.count_nonzero(row > row[token])) + 1)
-        if top:
-            best = np.argpartition(-row, top - 1)[:top]
-            lp = x[best] - m - norm
-            order = np.argsort(-lp, kind="stable")
-            result.top = [(int(best[i]), float(lp[i])) for i in order]
+        result = with_logprobs(int(token), row, top)
+        result.rank = int(np.count_nonzero(row > row[token])) + 1
         out.append(result)
     return out
 
