@@ -13,12 +13,13 @@ from __future__ import annotations
 import random
 from functools import cache
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twinfer.app.models import open_model
-from twinfer.runtime.batch import SeqChunk, StepBatch
+from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.corpus import corpus_prompts
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
 
@@ -109,6 +110,38 @@ def test_per_sequence_streams_refuse_to_share_cells() -> None:
     with pytest.raises(ValueError, match="cannot share cells"):
         runner.copy_prefix(900, 901, 16)
     runner.release(900)
+
+
+def test_per_sequence_streams_decode_in_slot_order_and_reuse_the_lowest_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp cuts a streams batch into ubatches of consecutive increasing seq ids, so the runner
+    decodes chunks in slot order: rows still come back in batch order, and a freed low slot is reused first."""
+    runner = _opened(256, 8, False).runner
+    fill = runner._batch.fill  # noqa: SLF001
+    submitted: list[list[int]] = []
+
+    def spy(chunks, pieces, slots):  # noqa: ANN001, ANN202
+        submitted.append([slots[p.chunk] for p in pieces])
+        return fill(chunks, pieces, slots)
+
+    monkeypatch.setattr(runner._batch, "fill", spy)  # noqa: SLF001
+    ids = [910, 911, 912]
+    for seq, p in zip(ids, prompts()[:3], strict=True):
+        runner.step(StepBatch([SeqChunk(seq, p[:12], 0)]))
+    assert [runner._slots[s] for s in ids] == [0, 1, 2]  # noqa: SLF001
+    rows = [SeqChunk(s, [p[12]], 12) for s, p in zip(ids, prompts()[:3], strict=True)]
+    scored = SeqChunk(ids[1], prompts()[1][12:15], 12, logits=LogitsWanted.ALL)  # three rows of its own
+    forward = runner.step(StepBatch([rows[0], scored, rows[2]]))
+    backward = runner.step(StepBatch([rows[2], scored, rows[0]]))  # the same chunks, slots out of order
+    assert forward.shape == backward.shape == (5, runner.n_vocab)
+    assert np.array_equal(backward[0], forward[4]) and np.array_equal(backward[4], forward[0])
+    assert np.array_equal(backward[1:4], forward[1:4])
+    assert submitted[-1] == submitted[-2] == [0, 1, 2]  # what llama.cpp saw: slot order both times
+    runner.release(910)
+    runner.release(911)
+    runner.step(StepBatch([SeqChunk(913, prompts()[3][:4], 0)]))
+    assert runner._slots[913] == 0  # noqa: SLF001
+    for seq in (912, 913):
+        runner.release(seq)
 
 
 def test_default_mode_random_arrivals_tiny_pool_finish_without_leaks() -> None:

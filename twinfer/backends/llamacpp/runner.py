@@ -10,6 +10,7 @@ serving: a sequence's cells then lie exactly where they would if it ran alone).
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -199,7 +200,7 @@ class LlamaCppRunner(Runner):
             seq_tokens=seq_tokens,
         )
         self._slots: dict[int, int] = {}  # engine seq id -> llama seq id
-        self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest id
+        self._free_slots = list(range(max_seqs))  # a heap: the lowest free id first, so streams stay consecutive
         self.traffic = self._traffic()
         self.kv_port = LlamaCppKVPort(self)
 
@@ -226,6 +227,21 @@ class LlamaCppRunner(Runner):
     def _decode(self, batch: StepBatch) -> np.ndarray:
         chunks = batch.chunks
         slots = self._prepare(chunks)
+        order = sorted(range(len(chunks)), key=slots.__getitem__)
+        if self.unified_kv or order == list(range(len(chunks))):
+            return self._decode_in_order(batch, chunks, slots)
+        # Per-sequence streams: llama.cpp splits a batch into ubatches of consecutive, increasing seq
+        # ids (`split_equal(sequential)`), so chunks out of slot order would each cost a pass over the
+        # weights (16 reversed rows: 2.4x the step time). Decode in slot order, hand rows back in batch order.
+        ordered = self._decode_in_order(batch, [chunks[i] for i in order], [slots[i] for i in order])
+        rows = [c.logit_rows for c in chunks]
+        at = np.cumsum([0, *rows])  # each chunk's first row in batch order
+        sources = [np.arange(at[i], at[i] + rows[i]) for i in order]
+        out = np.empty_like(ordered)
+        out[np.concatenate(sources)] = ordered
+        return out
+
+    def _decode_in_order(self, batch: StepBatch, chunks: list[SeqChunk], slots: list[int]) -> np.ndarray:
         out = np.empty((batch.num_logit_rows, self.n_vocab), dtype=np.float32)
         row = 0
         for pieces in plan_windows(chunks, self._batch.capacity):
@@ -247,7 +263,7 @@ class LlamaCppRunner(Runner):
         if slot is None or self._closed:
             return
         self._mem.seq_rm(slot, -1, -1)
-        self._free_slots.append(slot)
+        heapq.heappush(self._free_slots, slot)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep only the first `length` positions of the sequence (the engine keeps full blocks)."""
@@ -380,7 +396,7 @@ class LlamaCppRunner(Runner):
                     f"sequence {seq_id}: all max_seqs={self.kv.max_seqs} llama.cpp sequence slots are "
                     "taken; release a finished sequence first"
                 )
-            slot = self._slots[seq_id] = self._free_slots.pop()
+            slot = self._slots[seq_id] = heapq.heappop(self._free_slots)
         return slot
 
     def _length(self, seq_id: int) -> int:
