@@ -4,7 +4,8 @@
 
 Build the peers from the llama-cpp-python sdist's vendored llama.cpp (docs/benchmarks.md says how).
 Three pairs, interleaved `--rounds` times (default 3); the ratios are the median of the per-round
-ratios (each round runs both sides back to back), with the best-of-each-side ratio beside them:
+ratios (each round runs both sides back to back; the HTTP pair swaps its order every other round),
+with the ratio of the two sides' means and the best-of-each-side ratio beside them:
 1. single stream: `twinfer bench -c 1` (64-token prompt, 128 tokens) vs `llama-bench -p 0 -n 128` (tg128);
 2. 16 streams: `twinfer bench -c 16 -p 64 -o 64` vs the perfect-batching ceiling (bench_engine.ceiling);
 3. HTTP: `twinfer serve` vs `llama-server -np 16`, both driven by `twinfer bench --url` (16 clients,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -82,14 +84,24 @@ def _serve(cmd: list[str], port: int) -> dict[str, Any]:
         proc.wait(timeout=60)
 
 
-def serve_pair(bin_dir: Path, model: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    port = _free_port()
-    ours = _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), "--max-seqs", "16",
-                   "--ctx", "4096", "--no-loop-guard"], port)
-    port = _free_port()
-    theirs = _serve([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
-                     "-c", str(16 * 4096), "--no-webui"], port)
-    return ours, theirs
+def serve_pair(bin_dir: Path, model: Path, theirs_first: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One round of the HTTP pair; `theirs_first` swaps the order (rounds alternate, so drift in the
+    host's speed during a round does not always favour the same side)."""
+    def ours() -> dict[str, Any]:
+        port = _free_port()
+        return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), "--max-seqs", "16",
+                       "--ctx", "4096", "--no-loop-guard"], port)
+
+    def theirs() -> dict[str, Any]:
+        port = _free_port()
+        return _serve([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
+                       "-c", str(16 * 4096), "--no-webui"], port)
+
+    if theirs_first:
+        b = theirs()
+        return ours(), b
+    a = ours()
+    return a, theirs()
 
 
 def plan_vs_bench() -> list[dict[str, Any]]:
@@ -101,7 +113,9 @@ def plan_vs_bench() -> list[dict[str, Any]]:
     for prompt, context in ((64, 64), (4096, 4096)):  # the plan prices a prompt of `context` tokens
         plan = json.loads(subprocess.run([sys.executable, "-m", "twinfer.cli.main", "plan", "--context", str(context),
                                           "--json"], capture_output=True, text=True, check=True).stdout)
-        r = twinfer_cli_bench("-c", "1", "-p", str(prompt), "-o", "64", "--requests-per-client", "2")
+        # a 64-token prefill takes ~0.2 s, so its median needs more requests than the 4,096-token one
+        r = twinfer_cli_bench("-c", "1", "-p", str(prompt), "-o", "64", "--requests-per-client",
+                              "6" if prompt < 1024 else "2")
         rows.append({"prompt_tokens": prompt, "context": context, "kv_format": plan["kv_format"],
                      "predicted_decode_tok_s": plan["predicted"]["decode_tokens_per_s"],
                      "measured_decode_tok_s": 1 / r["tpot_p50_s"],
@@ -121,7 +135,7 @@ def main() -> None:
                            "model": model.name}
     if "plan" in parts:
         out["plan_vs_bench"] = plan_vs_bench()
-    for _ in range(args.rounds):
+    for round_no in range(args.rounds):
         if "single" in parts:
             out.setdefault("single", []).append({**twinfer_single(),
                                                  "llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)})
@@ -130,7 +144,7 @@ def main() -> None:
             out.setdefault("batch", []).append({"twinfer_bench_c16_tok_s": ours,
                                                 "ceiling_tok_s": perfect_batching_ceiling()})
         if "serve" in parts:
-            ours, theirs = serve_pair(args.llama_bin, model)
+            ours, theirs = serve_pair(args.llama_bin, model, theirs_first=round_no % 2 == 1)
             out.setdefault("serve", []).append({"twinfer_serve_tok_s": ours["results"][0]["output_tokens_per_s"],
                                                 "llama_server_tok_s": theirs["results"][0]["output_tokens_per_s"],
                                                 "twinfer_server": ours.get("server"),
@@ -145,8 +159,10 @@ def main() -> None:
     ratios: dict[str, Any] = {}
     for name, (part, ours_key, theirs_key) in pairs.items():
         if part in best:
-            per_round = sorted(r[ours_key] / r[theirs_key] for r in out[part])
-            ratios[name] = {"median": per_round[len(per_round) // 2], "per_round": per_round,
+            per_round = [r[ours_key] / r[theirs_key] for r in out[part]]  # in round order
+            ratios[name] = {"median": statistics.median(per_round), "per_round": per_round,
+                            "mean_vs_mean": statistics.mean(r[ours_key] for r in out[part])
+                            / statistics.mean(r[theirs_key] for r in out[part]),
                             "best_vs_best": best[part][ours_key] / best[part][theirs_key]}
     out["ratios"] = ratios
     print(json.dumps(out, indent=1, default=str))
