@@ -89,8 +89,9 @@ def serve_pair(bin_dir: Path, model: Path, theirs_first: bool = False) -> tuple[
     host's speed during a round does not always favour the same side)."""
     def ours() -> dict[str, Any]:
         port = _free_port()
-        return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), "--max-seqs", "16",
-                       "--ctx", "4096", "--no-loop-guard"], port)
+        # no flag but the port: 16 sequences and 4,096 tokens are serve's defaults, and the loop guard
+        # is off for this ignore-EOS traffic as EOS is (before that, bench_peers passed --no-loop-guard)
+        return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port)], port)
 
     def theirs() -> dict[str, Any]:
         port = _free_port()

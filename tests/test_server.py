@@ -236,18 +236,23 @@ def test_seed_reproducible(srv: ServerThread) -> None:
 
 
 def test_loop_guard_finish_reason(tiny: Tiny) -> None:
+    """The guard cuts a looping reply ("loop"); a client that ignores EOS asks for exactly max_tokens,
+    so for it the guard is off, as EOS is (benchmark traffic)."""
     guard = GuardConfig()
     engine = tiny.engine()
     prompts = [f"loop {i}" for i in range(24)]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, guard=guard))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, guard=guard))
     looping = [p for p, o in zip(prompts, outs, strict=True) if o.finish_reason == "loop"]
     assert looping, "the random model never loops on these prompts; pick others"
     with serving(tiny, guard=guard) as st:
-        r = client(st).completions.create(model=MODEL, prompt=looping[0], max_tokens=64, temperature=0,
-                                          extra_body={"ignore_eos": True})
+        r = client(st).completions.create(model=MODEL, prompt=looping[0], max_tokens=64, temperature=0)
         assert r.choices[0].finish_reason == "loop"
         assert metric(st, "twinfer_guard_trips_total") == 1
         assert metric(st, 'twinfer_request_finish_total{reason="loop"}') == 1
+        r = client(st).completions.create(model=MODEL, prompt=looping[0], max_tokens=64, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 64
+        assert metric(st, "twinfer_guard_trips_total") == 1
 
 
 def test_models_health_metrics(srv: ServerThread) -> None:

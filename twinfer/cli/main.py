@@ -204,7 +204,8 @@ def serve(
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body accepted (413 above).")] = 4.0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
     loop_guard: Annotated[bool, typer.Option("--loop-guard/--no-loop-guard",
-                                             help="Cut generations that repeat a token 4+ times (finish_reason 'loop').")] = True,
+                                             help="Cut generations that repeat a token 4+ times (finish_reason 'loop'); "
+                                                  "never a request with ignore_eos.")] = True,
     guard_retries: Annotated[int, typer.Option("--guard-retries", help="Retry a looping request with a fresh seed this many times.")] = 0,
     speculate: SpeculateOpt = "off",
     tp: TpOpt = 1,

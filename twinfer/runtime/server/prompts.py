@@ -8,6 +8,7 @@ the context window, a `max_tokens` that does not fit.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from twinfer.runtime.constraints.spec import Constraint
@@ -129,6 +130,10 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    if req.ignore_eos and guard.enabled:
+        # a client that ignores EOS asks for exactly max_tokens (benchmark traffic: vLLM's `bench serve`,
+        # genai-perf); the loop guard would end those streams early, just as EOS would have
+        guard = replace(guard, enabled=False)
     temperature, top_p = req.temperature, req.top_p
     if top_p == 0.0 or temperature < GREEDY_BELOW:  # a nucleus of mass 0 is the most likely token, and
         temperature, top_p = 0.0, 1.0  # logits / 1e-300 overflow to NaN: both mean greedy (as in vLLM)
