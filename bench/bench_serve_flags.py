@@ -1,4 +1,5 @@
-"""`twinfer serve` with no flag at all and with bench_peers.py's flags, beside `llama-server -np 16`,
+"""`twinfer serve` with no flag at all and with the flags bench_peers.py passed before revision fc839ae
+(since then a bare serve does the same work: `ignore_eos` turns the loop guard off), beside `llama-server -np 16`,
 interleaved under bench_peers' HTTP traffic (16 clients, ~100-token prompts, 64 streamed tokens,
 ignore_eos).
 

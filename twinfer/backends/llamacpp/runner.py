@@ -227,8 +227,10 @@ class LlamaCppRunner(Runner):
     def _decode(self, batch: StepBatch) -> np.ndarray:
         chunks = batch.chunks
         slots = self._prepare(chunks)
+        if self.unified_kv:
+            return self._decode_in_order(batch, chunks, slots)
         order = sorted(range(len(chunks)), key=slots.__getitem__)
-        if self.unified_kv or order == list(range(len(chunks))):
+        if order == list(range(len(chunks))):
             return self._decode_in_order(batch, chunks, slots)
         # Per-sequence streams: llama.cpp splits a batch into ubatches of consecutive, increasing seq
         # ids (`split_equal(sequential)`), so chunks out of slot order would each cost a pass over the

@@ -130,7 +130,7 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
-    if req.ignore_eos and guard.enabled:
+    if req.ignore_eos:
         # a client that ignores EOS asks for exactly max_tokens (benchmark traffic: vLLM's `bench serve`,
         # genai-perf); the loop guard would end those streams early, just as EOS would have
         guard = replace(guard, enabled=False)
