@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twinfer.app.models import open_model
+from twinfer.backends.llamacpp.runner import LlamaCppRunner
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.corpus import corpus_prompts
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
@@ -168,6 +169,28 @@ def test_default_mode_accounting_and_prefix_reuse() -> None:
     assert e.blocks.num_used == 0
     again = e.generate([shared], GREEDY)[0]
     assert again.cached_tokens > 0 and len(again.token_ids) == len(first.token_ids)
+
+
+def test_default_step_is_llama_servers_batch_and_a_wave_prefills_in_one_step() -> None:
+    e = engine(ctx=CTX, seqs=8)
+    assert e.scheduler.config.max_batch_tokens == LlamaCppRunner.step_tokens == 2048
+    wave = [(p * 5)[:100] for p in prompts()[:8]]  # 800 prompt tokens: one step at 2048, two at 512
+    for p in wave:
+        e.add_request(p, GREEDY)
+    e.step()
+    assert all(r.num_computed >= len(r.prompt) for r in e.requests.values())
+    for _ in range(200):
+        if not e.has_work:
+            break
+        e.step()
+    small = engine(ctx=CTX, seqs=8, max_batch_tokens=512)
+    assert small.scheduler.config.max_batch_tokens == 512
+    for p in wave:
+        small.add_request(p, GREEDY)
+    small.step()
+    assert sum(r.num_computed >= len(r.prompt) for r in small.requests.values()) < len(wave)
+    while small.has_work:
+        small.step()
 
 
 def test_abort_frees_blocks_and_slot() -> None:

@@ -95,17 +95,20 @@ def run_level(engine: Engine, prompts: list[list[int]], concurrency: int, params
 
 
 def run_bench(session: Session, concurrency: list[int], prompt_tokens: int, output_tokens: int,
-              shared_prefix: int = 0, requests_per_client: int = 2, corpus: str = "prose") -> dict[str, Any]:
+              shared_prefix: int = 0, requests_per_client: int = 2, corpus: str = "prose",
+              max_batch_tokens: int | None = None) -> dict[str, Any]:
     """Benchmark every concurrency level on a fresh engine of the session (prefix cache warm only across
-    shared prefixes); the session's proposer, if any, speculates (its `--speculate` is in the report)."""
+    shared prefixes); the session's proposer, if any, speculates (its `--speculate` is in the report).
+    `max_batch_tokens` is the engine's step (None: the runner's default, as `twinfer serve` runs)."""
     if not concurrency or min(concurrency) < 1 or prompt_tokens < 2 or output_tokens < 1:
         raise TwinferError("need concurrency levels >= 1, --prompt-tokens >= 2 and --output-tokens >= 1")
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True,
                             guard=GuardConfig(enabled=False))
     opened = session.opened
     results = []
+    step_tokens = max_batch_tokens or opened.runner.step_tokens
     for c in concurrency:
-        engine = session.engine(max_seqs=c, max_batch_tokens=512)
+        engine = session.engine(max_seqs=c, max_batch_tokens=max_batch_tokens)
         warm = bench_prompts(opened, 1, prompt_tokens, 0, corpus)
         engine.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         prompts = bench_prompts(opened, c * requests_per_client, prompt_tokens, shared_prefix, corpus)
@@ -116,7 +119,7 @@ def run_bench(session: Session, concurrency: list[int], prompt_tokens: int, outp
         "build": build_info(opened),
         "traffic": {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                     "shared_prefix": shared_prefix, "requests_per_client": requests_per_client,
-                    "corpus": corpus, "sampling": "greedy, ignore_eos",
+                    "corpus": corpus, "sampling": "greedy, ignore_eos", "max_batch_tokens": step_tokens,
                     "speculate": session.options.speculate},
         "results": results,
     }

@@ -21,12 +21,18 @@ def _levels(text: str) -> list[int]:
 
 def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, output_tokens: int, shared_prefix: int,
                   requests_per_client: int, corpus: str, backend: str, threads: int | None, url: str | None,
-                  api_key: str | None, json_out: bool, speculate: str = "off") -> None:
+                  api_key: str | None, json_out: bool, speculate: str = "off",
+                  max_batch_tokens: int | None = None) -> None:
     from twinfer.runtime.speculative.options import parse_speculate
 
     levels = _levels(concurrency)
     if prompt_tokens < 2 or output_tokens < 1:
         raise TwinferError("need --prompt-tokens >= 2 and --output-tokens >= 1")
+    if max_batch_tokens is not None and max_batch_tokens < 1:
+        raise TwinferError(f"--max-batch-tokens must be >= 1 (got {max_batch_tokens})")
+    if url and max_batch_tokens is not None:
+        raise TwinferError("--max-batch-tokens applies to in-process runs; start the server with "
+                           "`twinfer serve --max-batch-tokens`")
     if url and parse_speculate(speculate)[0] != "off":
         raise TwinferError("--speculate applies to in-process runs; start the server with `twinfer serve --speculate`")
     if url:
@@ -41,7 +47,8 @@ def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, outpu
         ctx = max(levels) * (prompt_tokens + output_tokens + 32) + 256
         session = open_session(OpenOptions(model, backend, max_seqs=max(levels), ctx=ctx, threads=threads,
                                            speculate=speculate))
-        report = run_bench(session, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus)
+        report = run_bench(session, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
+                           max_batch_tokens)
     if json_out:
         typer.echo(json.dumps(report))
         return

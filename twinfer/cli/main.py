@@ -49,6 +49,10 @@ AllowPruningOpt = Annotated[
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (torch backend; one process each).")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel groups for MoE models (torch backend).")]
 PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline stages (torch backend; contiguous layers each).")]
+MaxBatchTokensOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--max-batch-tokens", help="Tokens one engine step computes, prompt chunks and decodes together (default: the "
+    "runner's: 2048 on llama.cpp, as llama-server's batch; 512 otherwise). Lower cuts the inter-token pause while "
+    "new prompts prefill.")]
 
 
 @app.command()
@@ -142,12 +146,13 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TWINFER_API_KEY", help="Bearer key for --url.")] = None,  # noqa: UP045
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     speculate: SpeculateOpt = "off",
+    max_batch_tokens: MaxBatchTokensOpt = None,
 ) -> None:
     """Throughput and latency at given concurrency, with hardware, build and traffic shape attached."""
     from twinfer.cli.bench_cmd import run_bench_cmd
 
     run_bench_cmd(model, concurrency, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
-                  backend, threads, url, api_key, json_out, speculate)
+                  backend, threads, url, api_key, json_out, speculate, max_batch_tokens)
 
 
 @app.command()
@@ -226,6 +231,7 @@ def serve(
         "--kv-connector", help="Hand prompts' KV to and take it from other replicas (prefill/decode "
         "disaggregation; requests carry kv_transfer_params): tcp, or nixl where installed.")] = None,
     kv_host: Annotated[str, typer.Option("--kv-host", help="Address the KV connector listens on and advertises.")] = "127.0.0.1",
+    max_batch_tokens: MaxBatchTokensOpt = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.cli.serve_cmd import run_serve
@@ -233,7 +239,7 @@ def serve(
     run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
               drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
               budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events,
-              replica_name=replica_name, kv_connector=(kv_connector, kv_host))
+              replica_name=replica_name, kv_connector=(kv_connector, kv_host), max_batch_tokens=max_batch_tokens)
 
 @app.command()
 def cluster(

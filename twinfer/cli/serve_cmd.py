@@ -24,14 +24,16 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               guard_retries: int = 0, speculate: str = "off",
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
               batch_invariant: bool = False, kv_events: str | None = None, replica_name: str | None = None,
-              kv_connector: tuple[str | None, str] = (None, "127.0.0.1")) -> None:
+              kv_connector: tuple[str | None, str] = (None, "127.0.0.1"), max_batch_tokens: int | None = None) -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
     from twinfer.runtime.server.serve import make_server
 
-    if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0:
-        raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0 and --max-body-mb > 0")
+    if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0 or (
+            max_batch_tokens is not None and max_batch_tokens < 1):
+        raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0 "
+                           "and --max-batch-tokens >= 1")
     options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                           parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
                           batch_invariant=batch_invariant)  # a typo in --speculate fails before the port is bound
@@ -64,7 +66,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             session = open_session(options)
             if session.strategy is not None:  # --memory-budget: the planner's local strategy, summarized on stderr
                 print(f"twinfer: {session.strategy.summary()}", file=sys.stderr)
-            opened, engine = session.opened, session.engine(replica=replica_name)
+            opened, engine = session.opened, session.engine(replica=replica_name, max_batch_tokens=max_batch_tokens)
             if kv_connector[0]:  # prefill/decode disaggregation (runtime/kv/connector.py)
                 from twinfer.app.pd import attach_kv_connector
 

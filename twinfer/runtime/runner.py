@@ -124,6 +124,7 @@ class Runner(ABC):
     backend: str  # "torch", "mlx", "llamacpp"
     traffic: StepTraffic | None = None  # how its steps move bytes (the request bill); None: unknown
     kv_port: KVPort | None = None  # how its KV leaves and enters for another replica (kv/connector.py)
+    step_tokens: int = 512  # tokens an engine step computes by default (EngineConfig.max_batch_tokens=None)
 
     @abstractmethod
     def step(self, batch: StepBatch) -> np.ndarray:

@@ -135,6 +135,10 @@ class LlamaCppRunner(Runner):
     """
 
     backend = "llamacpp"
+    # llama-server's step (its n_batch): a wave of prompts prefills in one step, so its requests decode
+    # in lockstep and finish together instead of leaving holes in the unified KV cells that the next
+    # wave's prompts land in, where flash attention scans the whole cache (docs/benchmarks.md)
+    step_tokens = 2048
 
     def __init__(
         self,

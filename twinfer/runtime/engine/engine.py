@@ -41,7 +41,7 @@ from twinfer.runtime.tokenizer.detok import StreamDecoder
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_tokens: int = 512
+    max_batch_tokens: int | None = None  # tokens computed per step; None: the runner's `step_tokens`
     max_seqs: int = 16
     max_prefill_chunk: int = 512
     enable_prefix_cache: bool = True
@@ -70,7 +70,8 @@ class Engine:
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
         slots = kv.max_seqs - (self.exact.reserved_seqs if self.exact else 0)  # sequences the runner holds for us
         self.kv_sync = runner.kv_sync(self.blocks, slots, lambda: len(self.scheduler.running))
-        sched = SchedulerConfig(self.config.max_batch_tokens, min(self.config.max_seqs, slots),
+        step_tokens = self.config.max_batch_tokens or runner.step_tokens
+        sched = SchedulerConfig(step_tokens, min(self.config.max_seqs, slots),
                                 self.config.max_prefill_chunk, self.exact is not None,
                                 self.exact.decode_rows if self.exact else SchedulerConfig.invariant_rows)
         window = runner.spec.max_position
