@@ -179,9 +179,7 @@ def test_default_step_is_llama_servers_batch_and_a_wave_prefills_in_one_step() -
         e.add_request(p, GREEDY)
     e.step()
     assert all(r.num_computed >= len(r.prompt) for r in e.requests.values())
-    for _ in range(200):
-        if not e.has_work:
-            break
+    while e.has_work:
         e.step()
     small = engine(ctx=CTX, seqs=8, max_batch_tokens=512)
     assert small.scheduler.config.max_batch_tokens == 512
@@ -191,6 +189,8 @@ def test_default_step_is_llama_servers_batch_and_a_wave_prefills_in_one_step() -
     assert sum(r.num_computed >= len(r.prompt) for r in small.requests.values()) < len(wave)
     while small.has_work:
         small.step()
+    with pytest.raises(ValueError, match="positive"):  # an explicit 0 is an error, not the runner's default
+        engine(ctx=CTX, seqs=8, max_batch_tokens=0)
 
 
 def test_abort_frees_blocks_and_slot() -> None:

@@ -106,9 +106,9 @@ def run_bench(session: Session, concurrency: list[int], prompt_tokens: int, outp
                             guard=GuardConfig(enabled=False))
     opened = session.opened
     results = []
-    step_tokens = max_batch_tokens or opened.runner.step_tokens
     for c in concurrency:
         engine = session.engine(max_seqs=c, max_batch_tokens=max_batch_tokens)
+        step_tokens = engine.scheduler.config.max_batch_tokens  # what the engine resolved it to
         warm = bench_prompts(opened, 1, prompt_tokens, 0, corpus)
         engine.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         prompts = bench_prompts(opened, c * requests_per_client, prompt_tokens, shared_prefix, corpus)

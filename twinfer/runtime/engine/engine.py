@@ -70,7 +70,7 @@ class Engine:
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
         slots = kv.max_seqs - (self.exact.reserved_seqs if self.exact else 0)  # sequences the runner holds for us
         self.kv_sync = runner.kv_sync(self.blocks, slots, lambda: len(self.scheduler.running))
-        step_tokens = self.config.max_batch_tokens or runner.step_tokens
+        step_tokens = runner.step_tokens if self.config.max_batch_tokens is None else self.config.max_batch_tokens
         sched = SchedulerConfig(step_tokens, min(self.config.max_seqs, slots),
                                 self.config.max_prefill_chunk, self.exact is not None,
                                 self.exact.decode_rows if self.exact else SchedulerConfig.invariant_rows)
