@@ -31,12 +31,22 @@ from bench_engine import _free_port, bench_prompts, ceiling  # noqa: E402
 
 from twinfer.app import OpenOptions, open_session  # noqa: E402
 from twinfer.app.bench import hardware_info  # noqa: E402
+from twinfer.backends.llamacpp.amx import amx_verdict  # noqa: E402
 from twinfer.runtime.cpu import default_threads  # noqa: E402
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
 
 
+def peer(cmd: list[str]) -> list[str]:
+    """A llama.cpp tool's command line, run with AMX requests failing where twinfer found llama.cpp's AMX
+    kernels crash on this machine (twinfer/backends/llamacpp/amx.py): the tools built from the same source
+    crash there too (SIGILL in `tinygemm_kernel_amx`), and both sides then run the same repacked kernels."""
+    if amx_verdict() == "off":
+        return [sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--deny", "--", *cmd]
+    return cmd
+
+
 def llama_bench(bin_dir: Path, model: Path) -> float:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", "128", "-o", "json"],
+    out = subprocess.run(peer([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", "128", "-o", "json"]),
                          capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
     return float(rows[0]["avg_ts"])
@@ -95,8 +105,8 @@ def serve_pair(bin_dir: Path, model: Path, theirs_first: bool = False) -> tuple[
 
     def theirs() -> dict[str, Any]:
         port = _free_port()
-        return _serve([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
-                       "-c", str(16 * 4096), "--no-webui"], port)
+        return _serve(peer([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
+                            "-c", str(16 * 4096), "--no-webui"]), port)
 
     if theirs_first:
         b = theirs()
@@ -133,7 +143,7 @@ def main() -> None:
     model = default_model_path()
     parts = set(args.only.split(","))
     out: dict[str, Any] = {"hardware": hardware_info(), "default_threads": default_threads(),
-                           "model": model.name}
+                           "model": model.name, "llamacpp_amx": amx_verdict()}
     if "plan" in parts:
         out["plan_vs_bench"] = plan_vs_bench()
     for round_no in range(args.rounds):

@@ -251,7 +251,11 @@ def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
 
     The int8 rate is what llama.cpp's quantized matmuls run on: activations are quantized to 8 bits and
     multiplied against the unpacked weights with AVX2 `vpmaddubsw`, AVX-VNNI / AVX-512 VNNI `vpdpbusd`,
-    ARM `sdot` (dotprod) or `smmla` (i8mm). AMD Zen 4 runs 512-bit instructions on 256-bit units.
+    ARM `sdot` (dotprod) or `smmla` (i8mm). ggml's K-quant dot products are 256 bits wide even where
+    AVX-512 is there (`vpdpbusd ymm` through AVX-512 VL), so AVX-512 VNNI counts as 256-bit VNNI on Intel
+    as on AMD (whose Zen 4 runs 512-bit instructions on 256-bit units anyway): measured on a 2-core
+    Sapphire Rapids VM, prefill ran at half the 512-bit rate. AMX tiles are not counted: twinfer keeps
+    llama.cpp's AMX kernels out where they crash (backends/llamacpp/amx.py).
     """
     f, intel = host.flags, "Intel" in host.vendor
     arm = host.machine in ("aarch64", "arm64") or "asimd" in f
@@ -259,7 +263,7 @@ def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
         fma = 64 if intel else 32
         vnni = "avx512_vnni" in f
         return "avx512" + ("+vnni" if vnni else "") + ("+bf16" if "avx512_bf16" in f else ""), fma, (
-            (256 if intel else 128) if vnni else fma * 2)
+            128 if vnni else 64)
     if "avx2" in f:
         return ("avx2+vnni", 32, 128) if "avx_vnni" in f else ("avx2", 32, 64)
     if arm:

@@ -21,6 +21,7 @@ import numpy as np
 
 from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
 from twinfer.backends.llamacpp._lib import MemoryOps, load_llama_cpp, set_quiet, versions
+from twinfer.backends.llamacpp.amx import guard_amx, quiet_amx_notice
 from twinfer.backends.llamacpp.kv_port import LlamaCppKVPort
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
 from twinfer.backends.llamacpp.slots import SlotKVSync
@@ -174,8 +175,11 @@ class LlamaCppRunner(Runner):
         self._lib = lib
         self.path = Path(path)
         self.n_threads = n_threads or default_threads()
+        self.amx = guard_amx()
+        repack = repack and self.amx != "repack-off"  # crashing AMX kernels we could not keep out otherwise
         self.flash_attn, self.repack, self.kv_type = flash_attn, repack, kv_type
-        self._model = _load_model(lib, self.path, repack)
+        with quiet_amx_notice(self.amx == "denied" and not verbose):
+            self._model = _load_model(lib, self.path, repack)
         self.unified_kv = unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv)
@@ -351,6 +355,7 @@ class LlamaCppRunner(Runner):
             "max_seqs": self.kv.max_seqs,
             "flash_attn": self.flash_attn,
             "repack": self.repack,
+            "amx": self.amx,  # none | on | denied (its kernels crash in this build: kept out) | repack-off
             "kv_type": self.kv_type,
             "unified_kv": self.unified_kv,
             "batch_invariant": self.flash_attn and not self.repack,
