@@ -107,7 +107,11 @@ def test_n_choices_share_the_prompt_on_llama_cpp(srv: ServerThread) -> None:
     prompt = "The history of the printing press begins in the fifteenth century, when " * 6
     r = client(srv).completions.create(model=NAME, prompt=prompt, n=2, max_tokens=8, temperature=0,
                                        extra_body={"ignore_eos": True})
-    assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text  # greedy, one shared prefix
+    # Both greedy, over one shared prefix. Not asserted equal: the default mode is not batch-invariant,
+    # and the second choice computes its prompt's last partial block in a step of another shape, so a
+    # near-tie can go either way (it did on one host's build, three words in).
+    assert len(r.choices) == 2 and all(ch.finish_reason == "length" for ch in r.choices)
+    assert r.usage.completion_tokens == 16
     assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens // 2
     text = httpx.get(srv.url + "/metrics").text
     cached = next(float(line.split()[1]) for line in text.splitlines()
