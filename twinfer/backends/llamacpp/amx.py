@@ -6,8 +6,8 @@ with `-march=native`) puts Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS weights in its A
 batches of two or more rows with tile instructions. Some builds configure the tiles from a stack copy
 the compiler drops, so the first prompt crashes the process (SIGILL or SIGSEGV in
 `tinygemm_kernel_amx`), with no message: `llama-bench` and `llama-server` from the same source crash the
-same way. Whether a given build does is found out by running it: `amx_verdict` decodes one batch of the
-default model in a child process, once per llama.cpp library and CPU, and caches the answer under
+same way. Whether a given build does is found out by running it: `amx_verdict` decodes one batch of a
+tiny generated model in a child process, once per llama.cpp library and CPU, and caches the answer under
 `$TWINFER_CACHE`. When the kernels crash, `deny_amx` makes this process's request for AMX tile state
 (`arch_prctl(ARCH_REQ_XCOMP_PERM)`) fail with EPERM through a seccomp filter, so ggml reports "AMX is not
 ready to be used!" and places those weights in its repacked AVX-512 layout instead, as on a CPU without
@@ -106,6 +106,8 @@ def deny_amx() -> bool:
 
 def amx_request_allowed() -> bool:
     """Whether asking for AMX tile data succeeds in this process now (False under `deny_amx`)."""
+    if not supported_os():
+        return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.syscall.restype = ctypes.c_long
     return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM), ctypes.c_long(18)) == 0
@@ -141,6 +143,8 @@ def _verdict_file() -> Path:
 
 def probe_child(timeout_s: float = 180.0, command: list[str] | None = None) -> str:
     """Run one AMX-sized batch through llama.cpp in a child process: "ok", "crash", or "unknown"."""
+    if command is None and not amx_request_allowed():
+        return "unknown"  # this process (and so the child) runs under a filter: nothing can be learned
     env = {**os.environ, ENV: "on"}  # the child runs the kernels as they are
     command = command or [sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--probe"]
     try:
@@ -188,6 +192,8 @@ def guard_amx() -> str:
     if not _STATE:
         if not cpu_has_amx() and os.environ.get(ENV, "auto").strip().lower() != "off":
             _STATE.append("none")
+        elif cpu_has_amx() and not amx_request_allowed():  # a filter came with the process (a parent's)
+            _STATE.append("denied")
         elif amx_verdict() == "on":
             _STATE.append("on")
         else:
@@ -225,28 +231,79 @@ def _exec_denied(argv: list[str]) -> None:
     os.execvp(argv[0], argv)
 
 
+def write_probe_model(path: Path) -> None:
+    """A one-layer llama of random Q8_0 weights (256 wide, 256 byte tokens, 0.5 MB): every matmul is one
+    ggml's AMX buffer takes, so its kernels run on the first batch, in a child that stays ~50 MB."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    width, ffn, vocab, heads = 256, 512, 256, 4
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(width)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_rope_dimension_count(width // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(vocab - 3)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [6] * (vocab - 3))  # unknown, control, control, then bytes
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def q8_0(name: str, rows: int, cols: int) -> None:
+        q = gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32),
+                                 gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    q8_0("token_embd.weight", vocab, width)
+    q8_0("output.weight", vocab, width)
+    w.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(width, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(width, dtype=np.float32))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        q8_0(f"blk.0.{name}.weight", width, width)
+    q8_0("blk.0.ffn_gate.weight", ffn, width)
+    q8_0("blk.0.ffn_up.weight", ffn, width)
+    q8_0("blk.0.ffn_down.weight", width, ffn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _probe_main() -> int:
-    """In the child: load the default model with llama.cpp's extra buffer types and decode a 32-token batch."""
+    """In the child: the probe model with llama.cpp's extra buffer types, one 32-token batch."""
+    import tempfile
+
     from llama_cpp import llama_cpp as lib
 
     from twinfer.backends.llamacpp._lib import set_quiet
-    from twinfer.runtime.loaders.default import default_model_path
 
     lib.llama_backend_init()
     set_quiet(lib, True)
-    params = lib.llama_model_default_params()
-    if hasattr(params, "use_extra_bufts"):
-        params.use_extra_bufts = True
-    model = lib.llama_model_load_from_file(str(default_model_path()).encode(), params)
-    if not model:
-        return 2
-    cparams = lib.llama_context_default_params()
-    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 256, 64, 64
-    ctx = lib.llama_init_from_model(model, cparams)
-    if not ctx:
-        return 2
-    tokens = (ctypes.c_int32 * 32)(*range(2, 34))  # held here: the batch only points at it
-    return 0 if lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 32)) == 0 else 2
+    with tempfile.TemporaryDirectory(prefix="twinfer-amx-") as folder:
+        path = Path(folder) / "probe.gguf"
+        write_probe_model(path)
+        params = lib.llama_model_default_params()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = True
+        model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            return 2
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 256, 64, 64
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            return 2
+        tokens = (ctypes.c_int32 * 32)(*range(3, 35))  # held here: the batch only points at it
+        return 0 if lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 32)) == 0 else 2
 
 
 if __name__ == "__main__":
