@@ -3,9 +3,9 @@ when they do not.
 
 A llama.cpp built on a CPU with AMX (Sapphire Rapids and later: `pip install llama-cpp-python` compiles
 with `-march=native`) puts Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS weights in its AMX buffer and multiplies
-batches of two or more rows with tile instructions. Some builds configure the tiles from a stack copy
-the compiler drops, so the first prompt crashes the process (SIGILL or SIGSEGV in
-`tinygemm_kernel_amx`), with no message: `llama-bench` and `llama-server` from the same source crash the
+batches of two or more rows with tile instructions. In some builds the first prompt then crashes the
+process (SIGILL or SIGSEGV in `tinygemm_kernel_amx`, whose tile configuration was never loaded), with no
+message: `llama-bench` and `llama-server` from the same source crash the
 same way. Whether a given build does is found out by running it: `amx_verdict` decodes one batch of a
 tiny generated model in a child process, once per llama.cpp library and CPU, and caches the answer under
 `$TWINFER_CACHE`. When the kernels crash, `deny_amx` makes this process's request for AMX tile state
