@@ -112,3 +112,18 @@ def test_deny_wraps_a_command_and_its_children():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@linux_x86
+def test_deny_reads_only_its_own_arguments():
+    """`--probe` after `--` belongs to the command: the wrapper must not run the probe itself, unfiltered."""
+    out = subprocess.run([sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--deny", "--", sys.executable, "-m",
+                          "twinfer.backends.llamacpp.amx", "--probe"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "twinfer-amx-probe: decoded" in out.stdout
+
+
+def test_the_module_names_its_usage_on_bad_arguments():
+    out = subprocess.run([sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--deny"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "usage:" in out.stderr and "Traceback" not in out.stderr

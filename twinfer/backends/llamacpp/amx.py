@@ -151,8 +151,8 @@ def probe_child(timeout_s: float = 180.0, command: list[str] | None = None) -> s
         done = subprocess.run(command, env=env, capture_output=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    if done.returncode == 0:
-        return "ok"
+    if done.returncode == 0 or _DECODED in done.stdout.decode(errors="replace"):
+        return "ok"  # the batch ran (what happens after it, at interpreter exit, is not the kernels)
     return "crash" if done.returncode < 0 else "unknown"  # killed by a signal: SIGILL / SIGSEGV
 
 
@@ -182,6 +182,7 @@ def amx_verdict(probe: Callable[[], str] = probe_child) -> str:
     return "off" if result == "crash" else "on"
 
 
+_DECODED = "twinfer-amx-probe: decoded"  # what the child prints once its batch has run
 _STATE: list[str] = []  # what guard_amx decided in this process
 
 
@@ -303,13 +304,19 @@ def _probe_main() -> int:
         if not ctx:
             return 2
         tokens = (ctypes.c_int32 * 32)(*range(3, 35))  # held here: the batch only points at it
-        return 0 if lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 32)) == 0 else 2
+        if lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 32)) != 0:
+            return 2
+        print(_DECODED, flush=True)
+        return 0
 
 
 if __name__ == "__main__":
-    if "--probe" in sys.argv:
+    own = sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:]  # after "--": the command's
+    if own == ["--probe"]:
         sys.exit(_probe_main())
-    if "--deny" in sys.argv and "--" in sys.argv:
+    elif own == ["--deny"] and "--" in sys.argv and sys.argv[-1] != "--":
         _exec_denied(sys.argv[sys.argv.index("--") + 1:])
-    elif "--verdict" in sys.argv:
+    elif own == ["--verdict"]:
         print(amx_verdict())
+    else:
+        sys.exit("usage: python -m twinfer.backends.llamacpp.amx --verdict | --probe | --deny -- CMD [ARGS]")
