@@ -22,19 +22,14 @@ import numpy as np
 from twinfer.backends.llamacpp import LlamaCppRunner
 from twinfer.backends.llamacpp.runner import default_threads
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+from twinfer.runtime.cpu import cpu_model
 from twinfer.runtime.loaders import default_model_path
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 4
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def bench_runner(path: Path, prompt: list[int], gen: int, threads: int, **kw: Any) -> dict[str, Any]:

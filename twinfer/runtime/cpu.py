@@ -64,3 +64,14 @@ def default_threads() -> int:
     if platform.system() == "Linux":
         return physical_cores()
     return max(1, len(usable_cpus()))
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"

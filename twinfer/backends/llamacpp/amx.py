@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from twinfer.runtime.cache_dir import cache_dir
+from twinfer.runtime.cpu import cpu_model
 
 ENV = "TWINFER_LLAMACPP_AMX"  # auto (default) | on | off
 _ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask for an extended state component (AMX tile data is 18)
@@ -128,13 +129,7 @@ def _library_key() -> str | None:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return cpu_model()
 
 
 def _verdict_file() -> Path:
@@ -232,53 +227,6 @@ def _exec_denied(argv: list[str]) -> None:
     os.execvp(argv[0], argv)
 
 
-def write_probe_model(path: Path) -> None:
-    """A one-layer llama of random Q8_0 weights (256 wide, 256 byte tokens, 0.5 MB): every matmul is one
-    ggml's AMX buffer takes, so its kernels run on the first batch, in a child that stays ~50 MB."""
-    import gguf
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    width, ffn, vocab, heads = 256, 512, 256, 4
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(256)
-    w.add_embedding_length(width)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(heads)
-    w.add_rope_dimension_count(width // heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(vocab - 3)])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types([2, 3, 3] + [6] * (vocab - 3))  # unknown, control, control, then bytes
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-
-    def q8_0(name: str, rows: int, cols: int) -> None:
-        q = gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32),
-                                 gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-
-    q8_0("token_embd.weight", vocab, width)
-    q8_0("output.weight", vocab, width)
-    w.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
-    w.add_tensor("blk.0.attn_norm.weight", np.ones(width, dtype=np.float32))
-    w.add_tensor("blk.0.ffn_norm.weight", np.ones(width, dtype=np.float32))
-    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-        q8_0(f"blk.0.{name}.weight", width, width)
-    q8_0("blk.0.ffn_gate.weight", ffn, width)
-    q8_0("blk.0.ffn_up.weight", ffn, width)
-    q8_0("blk.0.ffn_down.weight", width, ffn)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def _probe_main() -> int:
     """In the child: the probe model with llama.cpp's extra buffer types, one 32-token batch."""
     import tempfile
@@ -286,12 +234,13 @@ def _probe_main() -> int:
     from llama_cpp import llama_cpp as lib
 
     from twinfer.backends.llamacpp._lib import set_quiet
+    from twinfer.runtime.models.llama import write_probe_gguf
 
     lib.llama_backend_init()
     set_quiet(lib, True)
     with tempfile.TemporaryDirectory(prefix="twinfer-amx-") as folder:
         path = Path(folder) / "probe.gguf"
-        write_probe_model(path)
+        write_probe_gguf(path)
         params = lib.llama_model_default_params()
         if hasattr(params, "use_extra_bufts"):
             params.use_extra_bufts = True
