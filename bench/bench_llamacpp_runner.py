@@ -28,10 +28,6 @@ from twinfer.runtime.loaders import default_model_path
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 4
 
 
-def cpu_name() -> str:
-    return cpu_model()
-
-
 def bench_runner(path: Path, prompt: list[int], gen: int, threads: int, **kw: Any) -> dict[str, Any]:
     with LlamaCppRunner(path, n_ctx=2048, max_seqs=1, n_threads=threads, **kw) as runner:
         t0 = time.perf_counter()
@@ -130,7 +126,7 @@ def main() -> None:
         "gen_tokens": args.gen,
         "repeat": args.repeat,
         "threads": args.threads,
-        "hardware": {"cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine()},
+        "hardware": {"cpu": cpu_model(), "cpus": os.cpu_count(), "machine": platform.machine()},
         "build": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "results": results,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -74,12 +75,13 @@ def perfect_batching_ceiling() -> float:
         session.close()
 
 
-def _serve(cmd: list[str], port: int) -> dict[str, Any]:
+def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     import httpx
 
     from twinfer.runtime.server.http_bench import run_http_bench
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **env} if env else None)
     try:
         for _ in range(240):
             try:
@@ -94,25 +96,28 @@ def _serve(cmd: list[str], port: int) -> dict[str, Any]:
         proc.wait(timeout=60)
 
 
+def twinfer_serve(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The HTTP traffic through `twinfer serve` with no flag but the port (16 sequences and 4,096 tokens
+    are serve's defaults, and the loop guard is off for this ignore-EOS traffic as EOS is), in `env`."""
+    port = _free_port()
+    return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port)], port, env)
+
+
+def llama_server(bin_dir: Path, model: Path) -> dict[str, Any]:
+    """The same traffic through `llama-server` with 16 slots of 4,096 tokens."""
+    port = _free_port()
+    return _serve(peer([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
+                        "-c", str(16 * 4096), "--no-webui"]), port)
+
+
 def serve_pair(bin_dir: Path, model: Path, theirs_first: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """One round of the HTTP pair; `theirs_first` swaps the order (rounds alternate, so drift in the
     host's speed during a round does not always favour the same side)."""
-    def ours() -> dict[str, Any]:
-        port = _free_port()
-        # no flag but the port: 16 sequences and 4,096 tokens are serve's defaults, and the loop guard
-        # is off for this ignore-EOS traffic as EOS is (before that, bench_peers passed --no-loop-guard)
-        return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port)], port)
-
-    def theirs() -> dict[str, Any]:
-        port = _free_port()
-        return _serve(peer([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
-                            "-c", str(16 * 4096), "--no-webui"]), port)
-
     if theirs_first:
-        b = theirs()
-        return ours(), b
-    a = ours()
-    return a, theirs()
+        b = llama_server(bin_dir, model)
+        return twinfer_serve(), b
+    a = twinfer_serve()
+    return a, llama_server(bin_dir, model)
 
 
 def plan_vs_bench() -> list[dict[str, Any]]:

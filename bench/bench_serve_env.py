@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -20,28 +19,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_peers  # noqa: E402
-from bench_engine import _free_port  # noqa: E402
 
 from twinfer.app.bench import hardware_info  # noqa: E402
 
 
-def twinfer_serve(env: dict[str, str]) -> float:
-    port = _free_port()
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        cmd = [sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port)]
-        return float(bench_peers._serve(cmd, port)["results"][0]["output_tokens_per_s"])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def llama_server(bin_dir: Path) -> float:
-    port = _free_port()
-    cmd = bench_peers.peer([str(bin_dir / "llama-server"), "-m", str(bench_peers.default_model_path()), "--port",
-                            str(port), "-np", "16", "-c", str(16 * 4096), "--no-webui"])
-    return float(bench_peers._serve(cmd, port)["results"][0]["output_tokens_per_s"])
+def tok_s(result: dict[str, Any]) -> float:
+    return float(result["results"][0]["output_tokens_per_s"])
 
 
 def main() -> None:
@@ -51,13 +34,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     variants: dict[str, dict[str, str]] = {"default": {}, "env": dict(e.split("=", 1) for e in args.env)}
+    model = bench_peers.default_model_path()
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = [*variants, "llama_server"]
         if r % 2:
             order.reverse()
-        row = {name: llama_server(args.llama_bin) if name == "llama_server" else twinfer_serve(variants[name])
-               for name in order}
+        row = {name: tok_s(bench_peers.llama_server(args.llama_bin, model) if name == "llama_server"
+                           else bench_peers.twinfer_serve(variants[name])) for name in order}
         rounds.append(row)
     ratios = {name: statistics.median(row[name] / row["llama_server"] for row in rounds) for name in variants}
     print(json.dumps({"hardware": hardware_info(), "env": variants["env"], "rounds": rounds,

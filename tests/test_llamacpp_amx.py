@@ -22,7 +22,7 @@ def amx_cpu(monkeypatch, tmp_path):
     monkeypatch.delenv(amx.ENV, raising=False)
     monkeypatch.setattr(amx, "cpu_has_amx", lambda: True)
     monkeypatch.setattr(amx, "_library_key", lambda: "libggml-cpu.so:1:2")
-    monkeypatch.setattr(amx, "_cpu_model", lambda: "Some Xeon")
+    monkeypatch.setattr(amx, "cpu_model", lambda: "Some Xeon")
     return tmp_path
 
 
@@ -116,7 +116,17 @@ def test_deny_wraps_a_command_and_its_children():
 
 @linux_x86
 def test_deny_reads_only_its_own_arguments():
-    """`--probe` after `--` belongs to the command: the wrapper must not run the probe itself, unfiltered."""
+    """`--probe` after `--` belongs to the command: the wrapper must exec it under the filter, not run the
+    probe itself, unfiltered (it did, and crashed, where the AMX kernels crash)."""
+    inner = "from twinfer.backends.llamacpp import amx; print('inner', amx.amx_request_allowed())"
+    out = subprocess.run([sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--deny", "--", sys.executable, "-c",
+                          inner, "--probe"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["inner", "False"]
+
+
+@linux_x86
+def test_the_probe_model_decodes_under_the_filter():
     out = subprocess.run([sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--deny", "--", sys.executable, "-m",
                           "twinfer.backends.llamacpp.amx", "--probe"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -23,7 +23,7 @@ from typing import Any
 from twinfer.planners.hardware import CPU, GPU, Cluster, Device
 from twinfer.planners.hw_table import APPLE_CHIPS, DEVICES
 from twinfer.runtime.cache_dir import cache_dir
-from twinfer.runtime.cpu import default_threads, usable_cpus
+from twinfer.runtime.cpu import cpuinfo, default_threads, usable_cpus
 from twinfer.runtime.errors import PlanError
 
 HOST_ENV = "TWINFER_HOST_FACTS"
@@ -185,17 +185,6 @@ class HostFacts:
         return f"cpu:{self.model}:{self.cpus}"
 
 
-def _cpuinfo() -> dict[str, str]:
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return info
-
-
 def _memory_bytes() -> float:
     total = 0.0
     try:
@@ -228,7 +217,7 @@ def read_host() -> HostFacts:
     pinned = pinned_host()
     if pinned is not None:
         return pinned
-    info = _cpuinfo()
+    info = cpuinfo()
     system, machine = platform.system(), platform.machine()
     flags = set(info.get("flags", info.get("Features", "")).split())
     model = info.get("model name") or platform.processor() or machine or "cpu"

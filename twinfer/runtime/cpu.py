@@ -66,12 +66,18 @@ def default_threads() -> int:
     return max(1, len(usable_cpus()))
 
 
-def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (/proc/cpuinfo), else what `platform` knows."""
+def cpuinfo() -> dict[str, str]:
+    """The first value of every /proc/cpuinfo key (the first CPU's model name, flags, MHz); {} off Linux."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    return info
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (/proc/cpuinfo), else what `platform` knows."""
+    return cpuinfo().get("model name") or platform.processor() or platform.machine() or "cpu"

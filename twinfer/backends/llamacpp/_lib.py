@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from twinfer.backends.llamacpp.amx import guard_amx
 from twinfer.runtime.errors import BackendUnavailable
 
 
@@ -26,8 +27,6 @@ def load_llama_cpp() -> ModuleType:
             f"llama.cpp backend unavailable: cannot import llama_cpp ({exc}); "
             "install it with `pip install llama-cpp-python`"
         ) from exc
-    from twinfer.backends.llamacpp.amx import guard_amx
-
     guard_amx()  # before llama.cpp places any weight: its AMX kernels crash in some builds
     lib.llama_backend_init()
     return lib

@@ -7,7 +7,7 @@ batches of two or more rows with tile instructions. In some builds the first pro
 process (SIGILL or SIGSEGV in `tinygemm_kernel_amx`, whose tile configuration was never loaded), with no
 message: `llama-bench` and `llama-server` from the same source crash the
 same way. Whether a given build does is found out by running it: `amx_verdict` decodes one batch of a
-tiny generated model in a child process, once per llama.cpp library and CPU, and caches the answer under
+tiny generated model (0.85 MB) in a child process, once per llama.cpp library and CPU, and caches the answer under
 `$TWINFER_CACHE`. When the kernels crash, `deny_amx` makes this process's request for AMX tile state
 (`arch_prctl(ARCH_REQ_XCOMP_PERM)`) fail with EPERM through a seccomp filter, so ggml reports "AMX is not
 ready to be used!" and places those weights in its repacked AVX-512 layout instead, as on a CPU without
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import platform
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from twinfer.runtime.cache_dir import cache_dir
-from twinfer.runtime.cpu import cpu_model
+from twinfer.runtime.cpu import cpu_model, cpuinfo
 
 ENV = "TWINFER_LLAMACPP_AMX"  # auto (default) | on | off
 _ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask for an extended state component (AMX tile data is 18)
@@ -39,6 +40,7 @@ _PR_SET_NO_NEW_PRIVS = 38
 _SECCOMP_SET_MODE_FILTER = 1
 _SECCOMP_FILTER_FLAG_TSYNC = 1
 _EPERM = 1
+_DECODED = "twinfer-amx-probe: decoded"  # what the probe child prints once its batch has run
 
 
 class _SockFilter(ctypes.Structure):
@@ -74,15 +76,14 @@ def supported_os() -> bool:
 
 def cpu_has_amx() -> bool:
     """The CPU advertises AMX int8 tiles (Linux /proc/cpuinfo)."""
-    if not supported_os():
-        return False
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return "amx_int8" in line.split()
-    except OSError:
-        return False
-    return False
+    return supported_os() and "amx_int8" in cpuinfo().get("flags", "").split()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
 
 
 def deny_amx() -> bool:
@@ -93,13 +94,12 @@ def deny_amx() -> bool:
     """
     if not supported_os():
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = _libc()
     program = filter_program()
     filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
     prog = _SockFprog(len(program), filters)
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # needed without CAP_SYS_ADMIN
         return False
-    libc.syscall.restype = ctypes.c_long
     rc = libc.syscall(ctypes.c_long(_SYS_SECCOMP), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
                       ctypes.c_long(_SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(prog))
     return rc == 0
@@ -109,9 +109,7 @@ def amx_request_allowed() -> bool:
     """Whether asking for AMX tile data succeeds in this process now (False under `deny_amx`)."""
     if not supported_os():
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM), ctypes.c_long(18)) == 0
+    return _libc().syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM), ctypes.c_long(18)) == 0
 
 
 def _library_key() -> str | None:
@@ -119,17 +117,11 @@ def _library_key() -> str | None:
     import importlib.util
 
     spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        for lib in sorted((Path(folder) / "lib").glob("libggml-cpu*.so*")) or sorted(Path(folder).glob("**/libllama*.so*")):
+    for folder in map(Path, (spec.submodule_search_locations or []) if spec else []):
+        for lib in sorted((folder / "lib").glob("libggml-cpu*.so*")) or sorted(folder.glob("**/libllama*.so*")):
             st = lib.stat()
             return f"{lib.resolve()}:{st.st_size}:{int(st.st_mtime)}"
     return None
-
-
-def _cpu_model() -> str:
-    return cpu_model()
 
 
 def _verdict_file() -> Path:
@@ -153,12 +145,12 @@ def probe_child(timeout_s: float = 180.0, command: list[str] | None = None) -> s
 
 def amx_verdict(probe: Callable[[], str] = probe_child) -> str:
     """"on" (AMX kernels run, or there are none), "off" (they crash here: deny them), from cache or a probe."""
-    choice = os.environ.get(ENV, "auto").strip().lower()
+    choice = _choice()
     if choice in ("on", "off"):
         return choice
     if not cpu_has_amx():
         return "on"
-    key = f"{_library_key()}|{_cpu_model()}"
+    key = f"{_library_key()}|{cpu_model()}"
     path = _verdict_file()
     try:
         cached = json.loads(path.read_text())
@@ -177,34 +169,36 @@ def amx_verdict(probe: Callable[[], str] = probe_child) -> str:
     return "off" if result == "crash" else "on"
 
 
-_DECODED = "twinfer-amx-probe: decoded"  # what the child prints once its batch has run
-_STATE: list[str] = []  # what guard_amx decided in this process
 
 
+def _choice() -> str:
+    return os.environ.get(ENV, "auto").strip().lower()
+
+
+@functools.cache
 def guard_amx() -> str:
     """Decide once per process, before llama.cpp loads anything: "none" (no AMX on this CPU), "on" (its
     kernels run), "denied" (they crash; this process's AMX requests now fail, so ggml leaves them out)
     or "repack-off" (they crash and the filter could not be installed: run without extra buffer types)."""
-    if not _STATE:
-        if not cpu_has_amx() and os.environ.get(ENV, "auto").strip().lower() != "off":
-            _STATE.append("none")
-        elif cpu_has_amx() and not amx_request_allowed():  # a filter came with the process (a parent's)
-            _STATE.append("denied")
-        elif amx_verdict() == "on":
-            _STATE.append("on")
-        else:
-            _STATE.append("denied" if deny_amx() else "repack-off")
-    return _STATE[0]
+    has_amx = cpu_has_amx()
+    if not has_amx and _choice() != "off":
+        return "none"
+    if has_amx and not amx_request_allowed():  # a filter came with the process (a parent's)
+        return "denied"
+    if amx_verdict() == "on":
+        return "on"
+    return "denied" if deny_amx() else "repack-off"
 
 
 @contextlib.contextmanager
 def quiet_amx_notice(quiet: bool) -> Iterator[None]:
     """Hold back ggml's "AMX is not ready to be used!", which it prints to stderr (not through llama.cpp's
     logger) at the first model load after `deny_amx`: AMX was left out on purpose. Once per process."""
-    if not quiet or _NOTICE:
+    global _notice_held
+    if not quiet or _notice_held:
         yield
         return
-    _NOTICE.append(True)
+    _notice_held = True
     sys.stderr.flush()
     saved = os.dup(2)
     try:
@@ -216,7 +210,7 @@ def quiet_amx_notice(quiet: bool) -> Iterator[None]:
         os.close(saved)
 
 
-_NOTICE: list[bool] = []
+_notice_held = False  # quiet_amx_notice has run once in this process
 
 
 def _exec_denied(argv: list[str]) -> None:

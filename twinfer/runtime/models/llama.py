@@ -48,7 +48,7 @@ ARCH = Architecture(
 
 
 def write_probe_gguf(path: Path) -> None:
-    """A one-layer llama GGUF of random Q8_0 weights (256 wide, 256 byte tokens, 0.5 MB) for
+    """A one-layer llama GGUF of random Q8_0 weights (256 wide, 256 byte tokens, 0.85 MB) for
     backends/llamacpp/amx.py: every matmul is one ggml's AMX buffer takes, so its kernels run on the
     first batch, in a child that stays ~50 MB."""
     import gguf
