@@ -105,13 +105,49 @@ def test_invariant_mode_random_arrivals_equal_alone(seed: int) -> None:
     assert e.blocks.num_used == 0
 
 
-def test_per_sequence_streams_refuse_to_share_cells() -> None:
+def test_per_sequence_streams_share_a_prefix_by_copying_the_stream() -> None:
+    """A copied prefix is the source's KV bit for bit: continuing it gives the logits of computing the
+    prefix in the copy's own stream, also when the source is released (its slot reused in the step
+    that applies the copy) and when a copy is copied again."""
     runner = _opened(256, 8, False).runner
-    assert runner.kv.max_seq_tokens == 256 and runner.describe()["unified_kv"] is False
-    runner.step(StepBatch([SeqChunk(900, prompts()[0][:20], 0)]))
-    with pytest.raises(ValueError, match="cannot share cells"):
-        runner.copy_prefix(900, 901, 16)
+    assert runner.kv.max_seq_tokens == 256 and runner.kv.copies_prefix and runner.describe()["unified_kv"] is False
+    prompt = [t for p in prompts() for t in p][:100]
+    runner.step(StepBatch([SeqChunk(910, prompt[:80], 0, logits=LogitsWanted.NONE)]))
+    fresh = runner.step(StepBatch([SeqChunk(910, prompt[80:], 80)]))[0]
+    runner.step(StepBatch([SeqChunk(900, prompt, 0)]))
+    runner.copy_prefix(900, 901, 80)
     runner.release(900)
+    runner.copy_prefix(901, 902, 80)
+    out = runner.step(StepBatch([SeqChunk(903, prompt[:30], 0), SeqChunk(901, prompt[80:], 80),
+                                 SeqChunk(902, prompt[80:], 80)]))
+    assert np.array_equal(out[1], fresh) and np.array_equal(out[2], fresh)
+    assert runner.num_stored(901) == runner.num_stored(902) == 100
+    for seq in (901, 902, 903, 910):
+        runner.release(seq)
+
+
+def test_default_streams_reuse_prefixes_in_the_engine() -> None:
+    """The engine keeps prefix reuse over per-sequence streams (the serving default while they fit)."""
+    e = engine(ctx=256, seqs=8, unified=False)
+    head = [t for p in prompts()[:4] for t in p][:64]
+    outs = e.generate([head + prompts()[i] for i in (5, 6, 7)], GREEDY)
+    outs += e.generate([head + prompts()[8]], GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert e.blocks.hit_rate() > 0
+    e.blocks.check()
+    e.kv_sync.close()  # give the kept slots back for the tests after this one
+
+
+def test_streams_fit_their_limit() -> None:
+    """`unified_kv=None`: streams for several sequences while max_seqs x n_ctx cells fit STREAMS_KV_LIMIT."""
+    from twinfer.backends.llamacpp.runner import STREAMS_KV_LIMIT, streams_fit
+
+    spec = _opened(256, 8, False).runner.spec
+    per_token = spec.kv_bytes_per_token(2.0)
+    fits = int(STREAMS_KV_LIMIT // (16 * per_token))
+    assert streams_fit(spec, fits, 16) and not streams_fit(spec, fits + 1, 16)
+    assert streams_fit(spec, int(1.8 * fits), 16, "q8_0") and not streams_fit(spec, 2 * fits, 16, "q8_0")
+    assert not streams_fit(spec, 256, 1)  # one sequence: one cache either way
 
 
 def test_per_sequence_streams_decode_in_slot_order_and_reuse_the_lowest_slot(monkeypatch: pytest.MonkeyPatch) -> None:

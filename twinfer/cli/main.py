@@ -199,9 +199,14 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on every /v1 route.")] = None,
     backend: BackendOpt = "auto",
     max_seqs: Annotated[int, typer.Option("--max-seqs", help="Requests computed at once.")] = 16,
-    ctx: Annotated[int, typer.Option("--ctx", help="KV-cache tokens (also the longest prompt + completion).")] = 4096,
+    ctx: Annotated[int, typer.Option("--ctx", help="The longest prompt + completion, in tokens; the KV cache holds "
+                                      "this many per sequence (--kv-layout streams) or for all of them (unified).")] = 4096,
     threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
         "--threads", help="CPU compute threads (default: the physical cores this process may use).")] = None,
+    kv_layout: Annotated[str, typer.Option(
+        "--kv-layout", help="llama.cpp KV cache: 'streams' (each sequence its own --ctx cells; attention reads "
+        "only them), 'unified' (--ctx cells shared by all), or 'auto': streams while --max-seqs x --ctx "
+        "cells take at most 2 GiB.")] = "auto",
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond --max-seqs; past it, 429.")] = 64,
     served_model_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
         "--served-model-name", help="The model name clients send (default: the file or folder name).")] = None,
@@ -239,7 +244,8 @@ def serve(
     run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
               drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
               budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events,
-              replica_name=replica_name, kv_connector=(kv_connector, kv_host), max_batch_tokens=max_batch_tokens)
+              replica_name=replica_name, kv_connector=(kv_connector, kv_host), max_batch_tokens=max_batch_tokens,
+              kv_layout=kv_layout)
 
 @app.command()
 def cluster(

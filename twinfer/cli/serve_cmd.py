@@ -16,6 +16,7 @@ from typing import Any
 from twinfer.runtime.errors import TwinferError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KV_LAYOUTS = {"auto": None, "unified": True, "streams": False}  # the llama.cpp runner's unified_kv
 
 
 def run_serve(model: str | None, host: str, port: int, api_key: str | None, backend: str, max_seqs: int,
@@ -24,7 +25,8 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               guard_retries: int = 0, speculate: str = "off",
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
               batch_invariant: bool = False, kv_events: str | None = None, replica_name: str | None = None,
-              kv_connector: tuple[str | None, str] = (None, "127.0.0.1"), max_batch_tokens: int | None = None) -> None:
+              kv_connector: tuple[str | None, str] = (None, "127.0.0.1"), max_batch_tokens: int | None = None,
+              kv_layout: str = "auto") -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
@@ -34,9 +36,17 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             max_batch_tokens is not None and max_batch_tokens < 1):
         raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0 "
                            "and --max-batch-tokens >= 1")
+    if kv_layout not in KV_LAYOUTS:
+        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    if budget[0] is not None and kv_layout != "auto":
+        raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout")
+    if batch_invariant and kv_layout == "unified":
+        raise TwinferError("--batch-invariant keeps each sequence in its own KV stream: drop --kv-layout unified")
+    runner_options = {} if kv_layout == "auto" else {"unified_kv": KV_LAYOUTS[kv_layout]}
     options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                           parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
-                          batch_invariant=batch_invariant)  # a typo in --speculate fails before the port is bound
+                          batch_invariant=batch_invariant,  # a typo in --speculate fails before the port is bound
+                          runner_options=runner_options)
     if parallel != (1, 1, 1) and int(os.environ.get("RANK", "0")) > 0:  # a torchrun worker: no HTTP server
         from twinfer.app.models import open_model
 

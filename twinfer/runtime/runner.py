@@ -37,7 +37,8 @@ class KVLayout:
     block tables. Sequence-slot runners keep KV per `seq_id`, at most `max_seqs` sequences at once,
     with at most `num_blocks * block_size` cells in total; they ignore block tables. `seq_tokens`
     caps one sequence when the runner gives each sequence its own cells; such runners cannot share
-    cells between sequences, so the engine turns prefix reuse off.
+    cells between sequences, so the engine turns prefix reuse off unless `copies_prefix` says the
+    runner can copy one sequence's prefix into another's cells (llama.cpp's per-sequence streams).
     """
 
     block_size: int
@@ -45,6 +46,7 @@ class KVLayout:
     paged: bool = True
     max_seqs: int = 1 << 30
     seq_tokens: int | None = None
+    copies_prefix: bool = False
 
     @property
     def capacity_tokens(self) -> int:

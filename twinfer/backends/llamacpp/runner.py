@@ -4,7 +4,9 @@ llama.cpp runs the forward pass; the twinfer engine keeps scheduling, sampling a
 KV cache is llama.cpp's unified one: `n_ctx` cells shared by up to `max_seqs` sequences, addressed by
 llama seq ids in [0, max_seqs) that this runner maps from the engine's sequence ids. With
 `unified_kv=False` every sequence gets its own stream of `n_ctx` cells instead (batch-invariant
-serving: a sequence's cells then lie exactly where they would if it ran alone).
+serving: a sequence's cells then lie exactly where they would if it ran alone; serving: each row's
+attention reads only its own cells), and `unified_kv=None` takes streams while they fit
+`STREAMS_KV_LIMIT`. Streams share a prefix by copying the source's stream.
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ BLOCK_SIZE = 16
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 # Bytes per KV element of each cache type (q8_0/q4_0: 32-element blocks of 34 and 18 bytes).
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q4_0": 18 / 32, "q8_0": 34 / 32, "bf16": 2.0}
+# `unified_kv=None` gives each sequence its own KV stream of n_ctx cells (llama-server's layout for
+# -np N) when all of them take at most this much memory, else one cache of n_ctx cells they share.
+# In a shared cache every row's attention walks and masks the used cells of every sequence (16
+# sequences of ~165 tokens: ~2,800 cells a row instead of ~165), single-threaded mask building
+# included; streams cost max_seqs x n_ctx cells instead of n_ctx.
+STREAMS_KV_LIMIT = 2 << 30
+
+
+def streams_fit(spec: ModelSpec, n_ctx: int, max_seqs: int, kv_type: str = "f16") -> bool:
+    """Whether per-sequence streams of `n_ctx` cells for `max_seqs` sequences fit STREAMS_KV_LIMIT.
+
+    Every layer holds n_ctx cells (sliding-window layers keep their full history: `swa_full`)."""
+    if max_seqs < 2:
+        return False  # one sequence: the same cells either way
+    return max_seqs * n_ctx * spec.kv_bytes_per_token(KV_TYPE_BYTES[kv_type]) <= STREAMS_KV_LIMIT
 # Exact steps hold at most this many one-token rows: 8+ take another matmul path (see LlamaCppRunner).
 EXACT_DECODE_ROWS = 7
 _PAD_SEQ = -1  # the runner's own sequence that pads a lone row in exact steps
@@ -153,7 +170,7 @@ class LlamaCppRunner(Runner):
         flash_attn: bool = True,
         repack: bool = False,
         kv_type: str = "f16",
-        unified_kv: bool = True,
+        unified_kv: bool | None = True,
         verbose: bool = False,
     ):
         self._closed = True  # until everything below exists, close() has nothing to free
@@ -180,6 +197,14 @@ class LlamaCppRunner(Runner):
         self.flash_attn, self.repack, self.kv_type = flash_attn, repack, kv_type
         with quiet_amx_notice(self.amx == "denied" and not verbose):
             self._model = _load_model(lib, self.path, repack)
+        try:
+            n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
+            spec = spec or model_spec(lib, self._model, self.path, n_vocab)
+        except BaseException:
+            self._free_model()
+            raise
+        if unified_kv is None:
+            unified_kv = not streams_fit(spec, n_ctx, max_seqs, kv_type)
         self.unified_kv = unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv)
@@ -199,13 +224,12 @@ class LlamaCppRunner(Runner):
             raise
         self._closed = False
         self.n_ctx = int(lib.llama_n_ctx(self._ctx))
-        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
-        self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
+        self.n_vocab, self.spec = n_vocab, spec
         # llama.cpp rounds the cache up (to a multiple of 256 cells): report the real capacity
         seq_tokens = None if unified_kv else self.n_ctx // max_seqs
         self.kv = KVLayout(
             block_size=BLOCK_SIZE, num_blocks=self.n_ctx // BLOCK_SIZE, paged=False, max_seqs=max_seqs,
-            seq_tokens=seq_tokens,
+            seq_tokens=seq_tokens, copies_prefix=not unified_kv,
         )
         self._slots: dict[int, int] = {}  # engine seq id -> llama seq id
         self._free_slots = list(range(max_seqs))  # a heap: the lowest free id first, so streams stay consecutive
@@ -282,7 +306,8 @@ class LlamaCppRunner(Runner):
             self._mem.seq_rm(slot, length, -1)
 
     def copy_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:
-        """Make dst's KV exactly src's first `num_tokens` positions (cells are shared, not copied)."""
+        """Make dst's KV exactly src's first `num_tokens` positions (a unified cache shares the cells;
+        per-sequence streams copy the source's stream)."""
         self._check_open()
         if src_seq not in self._slots:
             raise ValueError(f"copy_prefix: source sequence {src_seq} has no KV in this runner")
@@ -295,12 +320,17 @@ class LlamaCppRunner(Runner):
         if src_seq == dst_seq:
             self._mem.seq_rm(src, num_tokens, -1)
             return
-        if not self.unified_kv:
-            raise ValueError("copy_prefix: per-sequence KV streams (unified_kv=False) cannot share cells")
         dst = self._slot_for(dst_seq)
         self._mem.seq_rm(dst, -1, -1)
-        if num_tokens:
+        if not num_tokens:
+            return
+        if self.unified_kv:
             self._mem.seq_cp(src, dst, 0, num_tokens)
+            return
+        # Per-sequence streams: llama.cpp copies a whole stream's buffers (at the start of the next
+        # llama_decode, before anything is written), then the tail past the prefix is dropped.
+        self._mem.seq_cp(src, dst, -1, -1)
+        self._mem.seq_rm(dst, num_tokens, -1)
 
     def save_seq_state(self, seq_id: int) -> bytes:
         """The sequence's KV cells as llama.cpp serializes them (`llama_state_seq_get_data`)."""

@@ -65,7 +65,7 @@ class Engine:
         self.config = config or EngineConfig()
         kv = runner.kv
         self.exact = runner.exact_shapes() if self.config.batch_invariant else None
-        shared_cells = kv.seq_tokens is None  # per-sequence KV streams cannot share a prefix
+        shared_cells = kv.seq_tokens is None or kv.copies_prefix  # else per-sequence cells: no prefix reuse
         prefix_cache = self.config.enable_prefix_cache and self.exact is None and shared_cells
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
         slots = kv.max_seqs - (self.exact.reserved_seqs if self.exact else 0)  # sequences the runner holds for us

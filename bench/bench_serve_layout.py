@@ -1,0 +1,54 @@
+"""`twinfer serve` with no flag (its KV layout `auto`: a llama.cpp stream per sequence while they fit) and
+with `--kv-layout unified` (one cache all sequences share, the default before), beside `llama-server
+-np 16`, under bench_peers' HTTP traffic (16 clients, ~100-token prompts, 64 streamed tokens, ignore_eos).
+The three go in a rotating order every round; ratios are per round against `llama-server`.
+
+    python bench/bench_serve_layout.py --llama-bin /path/to/llama.cpp/build/bin [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_peers import _free_port, _serve, llama_server  # noqa: E402
+
+from twinfer.runtime.loaders import default_model_path  # noqa: E402
+
+
+def twinfer(*flags: str) -> float:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), *flags]
+    return float(_serve(cmd, port)["results"][0]["output_tokens_per_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-bin", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    sides = {
+        "twinfer_serve_defaults": lambda: twinfer(),
+        "twinfer_serve_unified": lambda: twinfer("--kv-layout", "unified"),
+        "llama_server_np16": lambda: float(llama_server(args.llama_bin, default_model_path())["results"][0]
+                                           ["output_tokens_per_s"]),
+    }
+    names = list(sides)
+    rows = []
+    for r in range(args.rounds):
+        order = names[r % 3:] + names[: r % 3]
+        row = {"order": order, **{name: sides[name]() for name in order}}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    ratios = {name: [row[name] / row["llama_server_np16"] for row in rows] for name in names[:2]}
+    print(json.dumps({"rounds": rows, "per_round_vs_llama_server": ratios,
+                      "median_vs_llama_server": {k: statistics.median(v) for k, v in ratios.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
