@@ -1,5 +1,5 @@
-"""`twinfer serve` with no flag (its KV layout `auto`: a llama.cpp stream per sequence while they fit) and
-with `--kv-layout unified` (one cache all sequences share, the default before), beside `llama-server
+"""`twinfer serve` with no flag (one unified llama.cpp KV cache all sequences share) and with `--kv-layout
+streams` (a stream of --ctx cells per sequence, llama-server's layout with -np), beside `llama-server
 -np 16`, under bench_peers' HTTP traffic (16 clients, ~100-token prompts, 64 streamed tokens, ignore_eos).
 The three go in a rotating order every round; ratios are per round against `llama-server`.
 
@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     sides = {
         "twinfer_serve_defaults": lambda: twinfer(),
-        "twinfer_serve_unified": lambda: twinfer("--kv-layout", "unified"),
+        "twinfer_serve_streams": lambda: twinfer("--kv-layout", "streams"),
         "llama_server_np16": lambda: float(llama_server(args.llama_bin, default_model_path())["results"][0]
                                            ["output_tokens_per_s"]),
     }

@@ -34,3 +34,19 @@ def test_bench_runs_the_runners_step_by_default_and_records_it() -> None:
 def test_a_bad_step_budget_is_named(args: list[str], message: str) -> None:
     r = CliRunner().invoke(app, args)
     assert r.exit_code != 0 and message in str(r.exception)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--kv-layout", "paged"], "--kv-layout must be one of unified, streams, got 'paged'"),
+    (["serve", "--kv-layout", "streams", "--memory-budget", "1GB"], "drop --kv-layout streams"),
+])
+def test_a_bad_kv_layout_is_named(args: list[str], message: str) -> None:
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code != 0 and message in str(r.exception)
+
+
+def test_kv_layout_streams_asks_the_runner_for_streams() -> None:
+    from twinfer.cli.serve_cmd import kv_layout_options
+
+    assert kv_layout_options("streams", None) == {"unified_kv": False}
+    assert kv_layout_options("unified", None) == {} == kv_layout_options("unified", "1GB")

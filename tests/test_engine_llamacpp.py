@@ -127,7 +127,7 @@ def test_per_sequence_streams_share_a_prefix_by_copying_the_stream() -> None:
 
 
 def test_default_streams_reuse_prefixes_in_the_engine() -> None:
-    """The engine keeps prefix reuse over per-sequence streams (the serving default while they fit)."""
+    """The engine keeps prefix reuse over per-sequence streams (`twinfer serve --kv-layout streams`)."""
     e = engine(ctx=256, seqs=8, unified=False)
     head = [t for p in prompts()[:4] for t in p][:64]
     outs = e.generate([head + prompts()[i] for i in (5, 6, 7)], GREEDY)
@@ -136,18 +136,6 @@ def test_default_streams_reuse_prefixes_in_the_engine() -> None:
     assert e.blocks.hit_rate() > 0
     e.blocks.check()
     e.kv_sync.close()  # give the kept slots back for the tests after this one
-
-
-def test_streams_fit_their_limit() -> None:
-    """`unified_kv=None`: streams for several sequences while max_seqs x n_ctx cells fit STREAMS_KV_LIMIT."""
-    from twinfer.backends.llamacpp.runner import STREAMS_KV_LIMIT, streams_fit
-
-    spec = _opened(256, 8, False).runner.spec
-    per_token = spec.kv_bytes_per_token(2.0)
-    fits = int(STREAMS_KV_LIMIT // (16 * per_token))
-    assert streams_fit(spec, fits, 16) and not streams_fit(spec, fits + 1, 16)
-    assert streams_fit(spec, int(1.8 * fits), 16, "q8_0") and not streams_fit(spec, 2 * fits, 16, "q8_0")
-    assert not streams_fit(spec, 256, 1)  # one sequence: one cache either way
 
 
 def test_per_sequence_streams_decode_in_slot_order_and_reuse_the_lowest_slot(monkeypatch: pytest.MonkeyPatch) -> None:

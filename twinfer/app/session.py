@@ -83,9 +83,7 @@ def open_session(options: OpenOptions) -> Session:
         runner_options = dict(o.runner_options)
         if o.batch_invariant:  # llama.cpp: each sequence in its own KV stream, its cells where they lie alone
             runner_options.setdefault("unified_kv", False)
-        else:  # llama.cpp: a stream per sequence while they fit (attention reads its own cells only)
-            runner_options.setdefault("unified_kv", None)
-        if not o.batch_invariant and parse_speculate(o.speculate)[0] == "off":
+        elif parse_speculate(o.speculate)[0] == "off":
             # llama.cpp's own default, weights repacked into its interleaved GEMM tiles: faster batched
             # steps, but a row's logits then depend on its place in the batch, which only the exact
             # modes (batch-invariant, speculative verification) must rule out

@@ -204,9 +204,8 @@ def serve(
     threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
         "--threads", help="CPU compute threads (default: the physical cores this process may use).")] = None,
     kv_layout: Annotated[str, typer.Option(
-        "--kv-layout", help="llama.cpp KV cache: 'streams' (each sequence its own --ctx cells; attention reads "
-        "only them), 'unified' (--ctx cells shared by all), or 'auto': streams while --max-seqs x --ctx "
-        "cells take at most 2 GiB.")] = "auto",
+        "--kv-layout", help="llama.cpp KV cache: 'unified' (--ctx cells shared by all sequences) or 'streams' "
+        "(each sequence its own --ctx cells, llama-server's layout with -np: --max-seqs times the memory).")] = "unified",
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond --max-seqs; past it, 429.")] = 64,
     served_model_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
         "--served-model-name", help="The model name clients send (default: the file or folder name).")] = None,

@@ -16,7 +16,16 @@ from typing import Any
 from twinfer.runtime.errors import TwinferError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-KV_LAYOUTS = {"auto": None, "unified": True, "streams": False}  # the llama.cpp runner's unified_kv
+KV_LAYOUTS = ("unified", "streams")  # the llama.cpp runner: unified_kv True, False
+
+
+def kv_layout_options(kv_layout: str, memory_budget: str | None) -> dict[str, bool]:
+    """The llama.cpp runner options `--kv-layout` asks for (--batch-invariant takes streams anyway)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    if memory_budget is not None and kv_layout != "unified":
+        raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
+    return {"unified_kv": False} if kv_layout == "streams" else {}
 
 
 def run_serve(model: str | None, host: str, port: int, api_key: str | None, backend: str, max_seqs: int,
@@ -26,7 +35,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
               batch_invariant: bool = False, kv_events: str | None = None, replica_name: str | None = None,
               kv_connector: tuple[str | None, str] = (None, "127.0.0.1"), max_batch_tokens: int | None = None,
-              kv_layout: str = "auto") -> None:
+              kv_layout: str = "unified") -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
@@ -36,13 +45,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             max_batch_tokens is not None and max_batch_tokens < 1):
         raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0 "
                            "and --max-batch-tokens >= 1")
-    if kv_layout not in KV_LAYOUTS:
-        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    if budget[0] is not None and kv_layout != "auto":
-        raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout")
-    if batch_invariant and kv_layout == "unified":
-        raise TwinferError("--batch-invariant keeps each sequence in its own KV stream: drop --kv-layout unified")
-    runner_options = {} if kv_layout == "auto" else {"unified_kv": KV_LAYOUTS[kv_layout]}
+    runner_options = kv_layout_options(kv_layout, budget[0])
     options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                           parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
                           batch_invariant=batch_invariant,  # a typo in --speculate fails before the port is bound

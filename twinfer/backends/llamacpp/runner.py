@@ -4,9 +4,9 @@ llama.cpp runs the forward pass; the twinfer engine keeps scheduling, sampling a
 KV cache is llama.cpp's unified one: `n_ctx` cells shared by up to `max_seqs` sequences, addressed by
 llama seq ids in [0, max_seqs) that this runner maps from the engine's sequence ids. With
 `unified_kv=False` every sequence gets its own stream of `n_ctx` cells instead (batch-invariant
-serving: a sequence's cells then lie exactly where they would if it ran alone; serving: each row's
-attention reads only its own cells), and `unified_kv=None` takes streams while they fit
-`STREAMS_KV_LIMIT`. Streams share a prefix by copying the source's stream.
+serving: a sequence's cells then lie exactly where they would if it ran alone; `serve --kv-layout
+streams`: each sequence may hold `n_ctx` tokens whatever the others hold). Streams share a prefix by
+copying the source's stream.
 """
 
 from __future__ import annotations
@@ -41,21 +41,6 @@ BLOCK_SIZE = 16
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 # Bytes per KV element of each cache type (q8_0/q4_0: 32-element blocks of 34 and 18 bytes).
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q4_0": 18 / 32, "q8_0": 34 / 32, "bf16": 2.0}
-# `unified_kv=None` gives each sequence its own KV stream of n_ctx cells (llama-server's layout for
-# -np N) when all of them take at most this much memory, else one cache of n_ctx cells they share.
-# In a shared cache every row's attention walks and masks the used cells of every sequence (16
-# sequences of ~165 tokens: ~2,800 cells a row instead of ~165), single-threaded mask building
-# included; streams cost max_seqs x n_ctx cells instead of n_ctx.
-STREAMS_KV_LIMIT = 2 << 30
-
-
-def streams_fit(spec: ModelSpec, n_ctx: int, max_seqs: int, kv_type: str = "f16") -> bool:
-    """Whether per-sequence streams of `n_ctx` cells for `max_seqs` sequences fit STREAMS_KV_LIMIT.
-
-    Every layer holds n_ctx cells (sliding-window layers keep their full history: `swa_full`)."""
-    if max_seqs < 2:
-        return False  # one sequence: the same cells either way
-    return max_seqs * n_ctx * spec.kv_bytes_per_token(KV_TYPE_BYTES[kv_type]) <= STREAMS_KV_LIMIT
 # Exact steps hold at most this many one-token rows: 8+ take another matmul path (see LlamaCppRunner).
 EXACT_DECODE_ROWS = 7
 _PAD_SEQ = -1  # the runner's own sequence that pads a lone row in exact steps
@@ -170,7 +155,7 @@ class LlamaCppRunner(Runner):
         flash_attn: bool = True,
         repack: bool = False,
         kv_type: str = "f16",
-        unified_kv: bool | None = True,
+        unified_kv: bool = True,
         verbose: bool = False,
     ):
         self._closed = True  # until everything below exists, close() has nothing to free
@@ -203,8 +188,6 @@ class LlamaCppRunner(Runner):
         except BaseException:
             self._free_model()
             raise
-        if unified_kv is None:
-            unified_kv = not streams_fit(spec, n_ctx, max_seqs, kv_type)
         self.unified_kv = unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv)
