@@ -132,3 +132,18 @@ def test_doctor_default_model_cli_json(tmp_path: Path) -> None:
     assert stages["llama.cpp"]["mean_kl"] <= 0.01  # llama.cpp's quantized activations
     ctx = data["context"]
     assert ctx["twinfer_revision"] != "unknown" and "llama_cpp_python" in ctx["libraries"] and ctx["hardware"]
+
+
+def test_doctor_records_whether_llamacpp_amx_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import twinfer.backends.llamacpp.amx as amx
+    from twinfer.app.doctor import llamacpp_amx
+
+    monkeypatch.setattr(amx, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(amx, "amx_verdict", lambda: pytest.fail("no AMX: nothing to probe"))
+    assert llamacpp_amx().startswith("none")
+    monkeypatch.setattr(amx, "cpu_has_amx", lambda: True)
+    for verdict, words in (("off", "crash on this CPU"), ("on", "run here")):
+        monkeypatch.setattr(amx, "amx_verdict", lambda v=verdict: v)
+        assert words in llamacpp_amx()
+    lines = DoctorReport("m", 4, [], {"llamacpp_amx": llamacpp_amx()}).lines()
+    assert lines[-1] == "llama.cpp AMX: on (its AMX kernels run here)"

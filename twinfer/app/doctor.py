@@ -74,6 +74,8 @@ class DoctorReport:
         c = self.context
         out.append(f"hardware: {c.get('hardware')}; twinfer {c.get('twinfer_revision')}; "
                    + ", ".join(f"{k} {v}" for k, v in c.get("libraries", {}).items()))
+        if "llamacpp_amx" in c:
+            out.append(f"llama.cpp AMX: {c['llamacpp_amx']}")
         return out
 
 
@@ -201,5 +203,26 @@ def environment() -> dict[str, Any]:
                              text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         rev = "unknown"
-    return {"hardware": hardware, "platform": platform.platform(), "python": platform.python_version(),
-            "libraries": libs, "twinfer_revision": rev}
+    context = {"hardware": hardware, "platform": platform.platform(), "python": platform.python_version(),
+               "libraries": libs, "twinfer_revision": rev}
+    if "llama_cpp_python" in libs:
+        context["llamacpp_amx"] = llamacpp_amx()
+    return context
+
+
+AMX_STATES = {
+    "none": "none (this CPU has no AMX)",
+    "on": "on (its AMX kernels run here)",
+    "off": "off (its AMX kernels crash on this CPU: twinfer keeps them out of every process that loads llama.cpp)",
+}
+
+
+def llamacpp_amx() -> str:
+    """Whether llama.cpp's AMX kernels run here, as the llama.cpp runner decides it (a cached verdict, or
+    a one-off probe in a child process), without changing this process."""
+    from twinfer.backends.llamacpp.amx import amx_verdict, cpu_has_amx
+
+    try:
+        return AMX_STATES["none" if not cpu_has_amx() else amx_verdict()]
+    except Exception as exc:  # noqa: BLE001 - the record is still useful without it
+        return f"unknown ({exc})"
