@@ -182,12 +182,6 @@ class LlamaCppRunner(Runner):
         self.flash_attn, self.repack, self.kv_type = flash_attn, repack, kv_type
         with quiet_amx_notice(self.amx == "denied" and not verbose):
             self._model = _load_model(lib, self.path, repack)
-        try:
-            n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
-            spec = spec or model_spec(lib, self._model, self.path, n_vocab)
-        except BaseException:
-            self._free_model()
-            raise
         self.unified_kv = unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv)
@@ -207,7 +201,8 @@ class LlamaCppRunner(Runner):
             raise
         self._closed = False
         self.n_ctx = int(lib.llama_n_ctx(self._ctx))
-        self.n_vocab, self.spec = n_vocab, spec
+        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
+        self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
         # llama.cpp rounds the cache up (to a multiple of 256 cells): report the real capacity
         seq_tokens = None if unified_kv else self.n_ctx // max_seqs
         self.kv = KVLayout(
