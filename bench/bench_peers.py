@@ -96,11 +96,17 @@ def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> dict
         proc.wait(timeout=60)
 
 
-def twinfer_serve(env: dict[str, str] | None = None) -> dict[str, Any]:
+def serve_tok_s(result: dict[str, Any]) -> float:
+    """Output tokens a second of one `_serve` run (its one concurrency level)."""
+    return float(result["results"][0]["output_tokens_per_s"])
+
+
+def twinfer_serve(env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> dict[str, Any]:
     """The HTTP traffic through `twinfer serve` with no flag but the port (16 sequences and 4,096 tokens
-    are serve's defaults, and the loop guard is off for this ignore-EOS traffic as EOS is), in `env`."""
+    are serve's defaults, and the loop guard is off for this ignore-EOS traffic as EOS is), in `env`;
+    `flags` are for scripts that compare a flag against the defaults."""
     port = _free_port()
-    return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port)], port, env)
+    return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), *flags], port, env)
 
 
 def llama_server(bin_dir: Path, model: Path) -> dict[str, Any]:
@@ -161,8 +167,8 @@ def main() -> None:
                                                 "ceiling_tok_s": perfect_batching_ceiling()})
         if "serve" in parts:
             ours, theirs = serve_pair(args.llama_bin, model, theirs_first=round_no % 2 == 1)
-            out.setdefault("serve", []).append({"twinfer_serve_tok_s": ours["results"][0]["output_tokens_per_s"],
-                                                "llama_server_tok_s": theirs["results"][0]["output_tokens_per_s"],
+            out.setdefault("serve", []).append({"twinfer_serve_tok_s": serve_tok_s(ours),
+                                                "llama_server_tok_s": serve_tok_s(theirs),
                                                 "twinfer_server": ours.get("server"),
                                                 "llama_server": theirs.get("server")})
     best = {k: {f: max(r[f] for r in rows if isinstance(r[f], float)) for f in rows[0] if isinstance(rows[0][f], float)}

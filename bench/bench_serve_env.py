@@ -23,10 +23,6 @@ import bench_peers  # noqa: E402
 from twinfer.app.bench import hardware_info  # noqa: E402
 
 
-def tok_s(result: dict[str, Any]) -> float:
-    return float(result["results"][0]["output_tokens_per_s"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-bin", type=Path, required=True)
@@ -40,7 +36,7 @@ def main() -> None:
         order = [*variants, "llama_server"]
         if r % 2:
             order.reverse()
-        row = {name: tok_s(bench_peers.llama_server(args.llama_bin, model) if name == "llama_server"
+        row = {name: bench_peers.serve_tok_s(bench_peers.llama_server(args.llama_bin, model) if name == "llama_server"
                            else bench_peers.twinfer_serve(variants[name])) for name in order}
         rounds.append(row)
     ratios = {name: statistics.median(row[name] / row["llama_server"] for row in rounds) for name in variants}

@@ -15,16 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_peers import _free_port, _serve  # noqa: E402
+from bench_peers import llama_server, serve_tok_s, twinfer_serve  # noqa: E402
 
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
 
-SERVE = [sys.executable, "-m", "twinfer.cli.main", "serve", "--port"]
-BENCH_FLAGS = ["--max-seqs", "16", "--ctx", "4096", "--no-loop-guard"]
-
-
-def rate(cmd: list[str], port: int) -> float:
-    return float(_serve(cmd, port)["results"][0]["output_tokens_per_s"])
+BENCH_FLAGS = ("--max-seqs", "16", "--ctx", "4096", "--no-loop-guard")
 
 
 def main() -> None:
@@ -34,14 +29,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for _ in range(args.rounds):
-        row = {}
-        p = _free_port()
-        row["twinfer_serve_defaults"] = rate([*SERVE, str(p)], p)
-        p = _free_port()
-        row["twinfer_serve_bench_flags"] = rate([*SERVE, str(p), *BENCH_FLAGS], p)
-        p = _free_port()
-        row["llama_server_np16"] = rate([str(args.llama_bin / "llama-server"), "-m", str(default_model_path()),
-                                         "--port", str(p), "-np", "16", "-c", str(16 * 4096), "--no-webui"], p)
+        row = {"twinfer_serve_defaults": serve_tok_s(twinfer_serve()),
+               "twinfer_serve_bench_flags": serve_tok_s(twinfer_serve(flags=BENCH_FLAGS)),
+               # the same llama-server as bench_peers (AMX kept out where its kernels crash)
+               "llama_server_np16": serve_tok_s(llama_server(args.llama_bin, default_model_path()))}
         rows.append(row)
     print(json.dumps({"rounds": rows}, indent=1))
 

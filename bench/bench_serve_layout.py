@@ -16,15 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_peers import _free_port, _serve, llama_server  # noqa: E402
+from bench_peers import llama_server, serve_tok_s, twinfer_serve  # noqa: E402
 
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
-
-
-def twinfer(*flags: str) -> float:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), *flags]
-    return float(_serve(cmd, port)["results"][0]["output_tokens_per_s"])
 
 
 def main() -> None:
@@ -33,10 +27,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     sides = {
-        "twinfer_serve_defaults": lambda: twinfer(),
-        "twinfer_serve_streams": lambda: twinfer("--kv-layout", "streams"),
-        "llama_server_np16": lambda: float(llama_server(args.llama_bin, default_model_path())["results"][0]
-                                           ["output_tokens_per_s"]),
+        "twinfer_serve_defaults": lambda: serve_tok_s(twinfer_serve()),
+        "twinfer_serve_streams": lambda: serve_tok_s(twinfer_serve(flags=("--kv-layout", "streams"))),
+        "llama_server_np16": lambda: serve_tok_s(llama_server(args.llama_bin, default_model_path())),
     }
     names = list(sides)
     rows = []

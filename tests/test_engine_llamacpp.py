@@ -126,7 +126,7 @@ def test_per_sequence_streams_share_a_prefix_by_copying_the_stream() -> None:
         runner.release(seq)
 
 
-def test_default_streams_reuse_prefixes_in_the_engine() -> None:
+def test_streams_reuse_prefixes_in_the_engine() -> None:
     """The engine keeps prefix reuse over per-sequence streams (`twinfer serve --kv-layout streams`)."""
     e = engine(ctx=256, seqs=8, unified=False)
     head = [t for p in prompts()[:4] for t in p][:64]
