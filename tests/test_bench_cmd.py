@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -50,3 +51,9 @@ def test_kv_layout_streams_asks_the_runner_for_streams() -> None:
 
     assert kv_layout_options("streams", None) == {"unified_kv": False}
     assert kv_layout_options("unified", None) == {} == kv_layout_options("unified", "1GB")
+
+
+def test_kv_layout_streams_on_a_runner_without_them_is_named(default_model: Path) -> None:
+    """torch and MLX keep paged blocks each sequence owns: `--kv-layout streams` there is an error, not a no-op."""
+    r = CliRunner().invoke(app, ["serve", str(default_model), "--backend", "torch", "--kv-layout", "streams"])
+    assert r.exit_code != 0 and "the torch runner keeps paged KV blocks" in str(r.exception)

@@ -19,13 +19,25 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KV_LAYOUTS = ("unified", "streams")  # the llama.cpp runner: unified_kv True, False
 
 
-def kv_layout_options(kv_layout: str, memory_budget: str | None) -> dict[str, bool]:
-    """The llama.cpp runner options `--kv-layout` asks for (--batch-invariant takes streams anyway)."""
+def kv_layout_options(kv_layout: str, memory_budget: str | None, model: str | None = None,
+                      backend: str = "auto") -> dict[str, bool]:
+    """The llama.cpp runner options `--kv-layout` asks for (--batch-invariant takes streams anyway).
+
+    Streams are a llama.cpp cache layout: on the torch and MLX runners, whose paged KV blocks every
+    sequence already owns alone, asking for them is an error rather than a flag silently dropped."""
     if kv_layout not in KV_LAYOUTS:
         raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    if memory_budget is not None and kv_layout != "unified":
+    if kv_layout == "unified":
+        return {}
+    if memory_budget is not None:
         raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
-    return {"unified_kv": False} if kv_layout == "streams" else {}
+    from twinfer.app.models import choose_backend, resolve_path
+
+    chosen = choose_backend(backend, resolve_path(model))
+    if chosen != "llamacpp":
+        raise TwinferError(f"--kv-layout streams is a llama.cpp cache layout; the {chosen} runner keeps paged "
+                           "KV blocks that each sequence owns already: drop --kv-layout streams")
+    return {"unified_kv": False}
 
 
 def run_serve(model: str | None, host: str, port: int, api_key: str | None, backend: str, max_seqs: int,
@@ -45,7 +57,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             max_batch_tokens is not None and max_batch_tokens < 1):
         raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0 "
                            "and --max-batch-tokens >= 1")
-    runner_options = kv_layout_options(kv_layout, budget[0])
+    runner_options = kv_layout_options(kv_layout, budget[0], model, backend)
     options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                           parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
                           batch_invariant=batch_invariant,  # a typo in --speculate fails before the port is bound
