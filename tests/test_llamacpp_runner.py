@@ -338,3 +338,21 @@ def test_describe_and_spec(runner):
     assert runner.spec.model_type == "gemma3" and runner.spec.vocab_size == runner.n_vocab
     assert runner.spec.layer_types  # the GGUF loader's exact spec, not llama.cpp's coarse one
     assert runner.kv.paged is False and runner.kv.capacity_tokens == N_CTX and runner.kv.max_seqs == 8
+
+
+def test_borrowed_logits_are_the_step_s_own_until_the_next_call(runner, tokens):
+    """The engine's `step_borrowed` reads llama.cpp's logits buffer in place; `step` hands out a copy
+    that a later decode leaves alone."""
+    prompt = tokens[0]
+    owned = cold(runner, prompt[:-1], [prompt[-1]], seq=7)
+    try:
+        runner.step(StepBatch([SeqChunk(7, list(prompt[:-1]), 0, logits=NONE)]))
+        borrowed = runner.step_borrowed(StepBatch([SeqChunk(7, [prompt[-1]], len(prompt) - 1)]))
+        assert not borrowed.flags.owndata and np.array_equal(borrowed, owned)
+        kept = runner.step(StepBatch([SeqChunk(7, [int(owned.argmax())], len(prompt))]))
+        again = kept.copy()
+        runner.step_borrowed(StepBatch([SeqChunk(7, [int(kept.argmax())], len(prompt) + 1)]))
+        assert kept.flags.owndata and np.array_equal(kept, again)  # the copy outlives the next decode
+        assert not np.array_equal(borrowed, owned)  # ...where the borrowed view did not
+    finally:
+        runner.release(7)

@@ -132,6 +132,12 @@ class Runner(ABC):
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one forward pass; return float32 logits [batch.num_logit_rows, vocab]."""
 
+    def step_borrowed(self, batch: StepBatch) -> np.ndarray:
+        """`step`, whose rows may be a view of the runner's own buffer, valid only until the next call
+        into the runner. The engine reads a step's logits before anything else runs; callers that keep
+        rows (measuring harnesses, tests) call `step`."""
+        return self.step(batch)
+
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget a finished or preempted sequence's KV (paged runners: nothing to do)."""
 

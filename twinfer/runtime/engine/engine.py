@@ -246,7 +246,7 @@ class Engine:
 
     def _forward(self, batch: StepBatch, items: list[Scheduled], drafts: dict[int, Draft]) -> np.ndarray:
         started = time.perf_counter()
-        logits = self.runner.step(batch)
+        logits = self.runner.step_borrowed(batch)  # read within this step, before the next runner call
         seconds = time.perf_counter() - started
         self.metrics.on_step(batch.num_tokens, seconds)
         if self.speculator is not None:
