@@ -31,6 +31,7 @@ def test_bench_runs_the_runners_step_by_default_and_records_it() -> None:
     (["bench", "--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
     (["bench", "--url", "http://127.0.0.1:9", "--max-batch-tokens", "64"], "twinfer serve --max-batch-tokens"),
     (["serve", "--max-batch-tokens", "0"], "--max-batch-tokens >= 1"),
+    (["serve", "--batch-wait-ms", "-5"], "--batch-wait-ms between 0 and 1000"),
 ])
 def test_a_bad_step_budget_is_named(args: list[str], message: str) -> None:
     r = CliRunner().invoke(app, args)

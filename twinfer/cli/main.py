@@ -236,6 +236,10 @@ def serve(
         "disaggregation; requests carry kv_transfer_params): tcp, or nixl where installed.")] = None,
     kv_host: Annotated[str, typer.Option("--kv-host", help="Address the KV connector listens on and advertises.")] = "127.0.0.1",
     max_batch_tokens: MaxBatchTokensOpt = None,
+    batch_wait_ms: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        "--batch-wait-ms", help="When idle, keep taking requests that arrive less than this far apart (at most 4x it "
+        "in all) so a burst prefills in one step (default: a tenth of a request's last start from idle, at most "
+        "50 ms); 0: start on the first at once.")] = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.cli.serve_cmd import run_serve
@@ -244,7 +248,7 @@ def serve(
               drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
               budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events,
               replica_name=replica_name, kv_connector=(kv_connector, kv_host), max_batch_tokens=max_batch_tokens,
-              kv_layout=kv_layout)
+              kv_layout=kv_layout, batch_wait_ms=batch_wait_ms)
 
 @app.command()
 def cluster(

@@ -47,16 +47,16 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
               batch_invariant: bool = False, kv_events: str | None = None, replica_name: str | None = None,
               kv_connector: tuple[str | None, str] = (None, "127.0.0.1"), max_batch_tokens: int | None = None,
-              kv_layout: str = "unified") -> None:
+              kv_layout: str = "unified", batch_wait_ms: float | None = None) -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
     from twinfer.runtime.server.serve import make_server
 
-    if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0 or (
+    if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0 or not 0 <= (batch_wait_ms or 0) <= 1000 or (
             max_batch_tokens is not None and max_batch_tokens < 1):
-        raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0 "
-                           "and --max-batch-tokens >= 1")
+        raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0, "
+                           "--batch-wait-ms between 0 and 1000 and --max-batch-tokens >= 1")
     runner_options = kv_layout_options(kv_layout, budget[0], model, backend)
     options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                           parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
@@ -101,7 +101,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
 
                 publisher.append(ZmqKVEventPublisher(kv_events, engine.blocks.block_size))
                 engine.blocks.events = publisher[0]
-            async_engine = AsyncEngine(engine, max_queue=max_queue)
+            async_engine = AsyncEngine(engine, max_queue=max_queue, gather_s=None if batch_wait_ms is None else batch_wait_ms / 1000)
             async_engine.start()
             state.names.add(opened.name)
             state.attach(async_engine, opened.tokenizer)
