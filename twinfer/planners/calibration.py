@@ -59,7 +59,9 @@ DEFAULTS: dict[str, Efficiency] = {
     # (docs/planner-accuracy.md, "Prefill attention"). torch keeps its old rate (its tensor factor), unmeasured.
     # tensor 0.72 -> 0.6: time to first token on two hosts (AVX-512 VNNI and AVX2), out of sample for
     # 0.72, was 5-28% under what `twinfer bench` measured (docs/planner-accuracy.md, "Two hosts").
-    "llamacpp/cpu": Efficiency(bandwidth=0.7, tensor=0.6, vector=0.35, attention=0.49, overlap_loss=0.25,
+    # bandwidth 0.7 -> 0.79: single-stream decode was predicted low in all 14 plan-vs-bench comparisons on
+    # three hosts (7 runs, 64 and 4,096 tokens), median -11% (docs/planner-accuracy.md, "Decode, refitted").
+    "llamacpp/cpu": Efficiency(bandwidth=0.79, tensor=0.6, vector=0.35, attention=0.49, overlap_loss=0.25,
                                layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3),
     "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, attention=0.262, overlap_loss=0.5,
                             layer_cycles=400e3, moe_layer_factor=2.0, step_s=2e-3),
