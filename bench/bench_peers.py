@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,23 @@ def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> dict
 def serve_tok_s(result: dict[str, Any]) -> float:
     """Output tokens a second of one `_serve` run (its one concurrency level)."""
     return float(result["results"][0]["output_tokens_per_s"])
+
+
+def serve_rounds(sides: dict[str, Callable[[], dict[str, Any]]], rounds: int) -> list[dict[str, Any]]:
+    """`rounds` rounds of `_serve` runs, one per side, in an order that rotates every round (drift in the
+    host's speed during a round then does not always favour the same side): each side's output tok/s
+    and TTFT p50, and the order; each round is printed to stderr as it ends."""
+    names, rows = list(sides), []
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        row: dict[str, Any] = {"order": order}
+        for name in order:
+            result = sides[name]()
+            row[name] = serve_tok_s(result)
+            row[name + "_ttft_p50_s"] = result["results"][0]["ttft_p50_s"]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
 
 
 def twinfer_serve(env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> dict[str, Any]:

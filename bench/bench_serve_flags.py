@@ -1,8 +1,8 @@
 """`twinfer serve` with no flag at all against `twinfer serve FLAGS`, beside `llama-server -np 16`,
 interleaved under bench_peers' HTTP traffic (16 clients, ~100-token prompts, 64 streamed tokens,
 ignore_eos). The order of the three rotates every round, so drift in the host's speed during a round
-does not always favour the same side; the summary gives each side's per-round ratio to `llama-server`
-and the median of the per-round ratios flags / defaults.
+does not always favour the same side; the summary gives the median per-round ratio of each twinfer
+side to `llama-server` and of flags to defaults.
 
     python bench/bench_serve_flags.py --llama-bin /path/to/llama.cpp/build/bin [--rounds 4] [--flags "..."]
 
@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_peers import llama_server, twinfer_serve  # noqa: E402
+from bench_peers import llama_server, serve_rounds, twinfer_serve  # noqa: E402
 
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
 
@@ -44,17 +44,7 @@ def main() -> None:
         # the same llama-server as bench_peers (AMX kept out where its kernels crash)
         "llama_server_np16": lambda: llama_server(args.llama_bin, default_model_path()),
     }
-    names = list(sides)
-    rows = []
-    for round_no in range(args.rounds):
-        order = names[round_no % 3:] + names[:round_no % 3]
-        row: dict[str, Any] = {"order": order}
-        for name in order:
-            result = sides[name]()["results"][0]
-            row[name] = float(result["output_tokens_per_s"])
-            row[name + "_ttft_p50_s"] = result["ttft_p50_s"]
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+    rows = serve_rounds(sides, args.rounds)
     summary = {
         "flags": args.flags,
         "median_defaults_vs_llama_server": statistics.median(r["twinfer_serve_defaults"] / r["llama_server_np16"] for r in rows),

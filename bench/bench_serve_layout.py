@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_peers import llama_server, serve_tok_s, twinfer_serve  # noqa: E402
+from bench_peers import llama_server, serve_rounds, twinfer_serve  # noqa: E402
 
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
 
@@ -27,17 +27,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     sides = {
-        "twinfer_serve_defaults": lambda: serve_tok_s(twinfer_serve()),
-        "twinfer_serve_streams": lambda: serve_tok_s(twinfer_serve(flags=("--kv-layout", "streams"))),
-        "llama_server_np16": lambda: serve_tok_s(llama_server(args.llama_bin, default_model_path())),
+        "twinfer_serve_defaults": twinfer_serve,
+        "twinfer_serve_streams": lambda: twinfer_serve(flags=("--kv-layout", "streams")),
+        "llama_server_np16": lambda: llama_server(args.llama_bin, default_model_path()),
     }
     names = list(sides)
-    rows = []
-    for r in range(args.rounds):
-        order = names[r % 3:] + names[: r % 3]
-        row = {"order": order, **{name: sides[name]() for name in order}}
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+    rows = serve_rounds(sides, args.rounds)
     ratios = {name: [row[name] / row["llama_server_np16"] for row in rows] for name in names[:2]}
     print(json.dumps({"rounds": rows, "per_round_vs_llama_server": ratios,
                       "median_vs_llama_server": {k: statistics.median(v) for k, v in ratios.items()}}, indent=1))

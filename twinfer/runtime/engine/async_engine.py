@@ -158,8 +158,8 @@ class AsyncEngine:
     in all, or until `max_seqs` are in), so a burst prefills in one step instead of its first request
     alone while the rest queue behind that step; 0 starts at once; None sizes it to the host: a tenth
     of what one request's start cost the last time the engine started from idle (the step's time over
-    the requests it took: what starting alone makes the next arrivals wait, about 30 ms for a 100-token
-    prompt on a 2-core CPU, a millisecond or two on a GPU), at most 50 ms. Methods are called from one event
+    the requests it took: what starting alone makes the next arrivals wait; measured at about 30 ms for a
+    100-token prompt on a 2-core CPU, and proportionally less wherever a start is faster), at most 50 ms. Methods are called from one event
     loop (the counters are not locked); `abort` may be called from any thread.
     """
 
@@ -176,7 +176,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self.gather_s = gather_s
-        self._idle_start_step_s = 0.0  # the last step that started from idle, over the requests it took
+        self._idle_start_step_s = 0.0  # the runner's time in the last step from idle, over the requests it took
         self._gathered = 0  # requests the last inbox drain took
         self.handoff_wait_s = 0.05  # the most a step waits for the loop to take the previous step's output
         self.max_running = engine.scheduler.config.max_seqs
@@ -335,10 +335,10 @@ class AsyncEngine:
                 if not self._drain_inbox(streams, block=idle):
                     break
                 if self.engine.has_work:
-                    started = time.perf_counter()
+                    computed_s = self.engine.metrics.step_seconds
                     outputs = self.engine.step()
                     if idle and self._gathered:  # what one request's start from idle costs
-                        self._idle_start_step_s = (time.perf_counter() - started) / self._gathered
+                        self._idle_start_step_s = (self.engine.metrics.step_seconds - computed_s) / self._gathered
                     handed = self._dispatch(outputs, streams)
                     if handed is not None:  # let the callers' loop write this step before computing the next
                         handed.wait(self.handoff_wait_s)
@@ -357,11 +357,10 @@ class AsyncEngine:
     def _drain_inbox(self, streams: dict[str, _Stream], block: bool) -> bool:
         """Apply queued messages; False when told to stop. Blocks for the first one when idle, then
         gathers the burst it starts (`gather_s`)."""
-        gap = self.gather_gap_s()
-        gather_until, gathered = 0.0, 0
+        gap, gather_until = self.gather_gap_s(), 0.0
         self._gathered = 0
         while True:
-            wait = min(gap, gather_until - time.perf_counter()) if gathered < self.max_running else 0.0
+            wait = min(gap, gather_until - time.perf_counter()) if self._gathered < self.max_running else 0.0
             try:
                 if block:
                     message = self._inbox.get(timeout=0.5)
@@ -375,8 +374,7 @@ class AsyncEngine:
                 return True
             if block and isinstance(message, _Add):
                 gather_until = time.perf_counter() + self.GATHER_SPANS * gap
-            gathered += isinstance(message, _Add)
-            self._gathered = gathered
+            self._gathered += isinstance(message, _Add)
             block = False
             if isinstance(message, _Stop):
                 for request_id in list(streams):  # what drain left: end it with finish_reason "abort"
