@@ -61,7 +61,10 @@ DEFAULTS: dict[str, Efficiency] = {
     # 0.72, was 5-28% under what `twinfer bench` measured (docs/planner-accuracy.md, "Two hosts").
     # bandwidth 0.7 -> 0.79: single-stream decode was predicted low in all 14 plan-vs-bench comparisons on
     # three hosts (7 runs, 64 and 4,096 tokens), median -11% (docs/planner-accuracy.md, "Decode, refitted").
-    "llamacpp/cpu": Efficiency(bandwidth=0.79, tensor=0.6, vector=0.35, attention=0.49, overlap_loss=0.25,
+    # bandwidth 0.79 -> 0.88 when decode attention moved to its own one-row f32 term (cost.decode_step): over
+    # the 20 plan-vs-bench comparisons of ten runs on three hosts the median error is -1%, 3 outside +-20%
+    # (docs/planner-accuracy.md, "Decode attention").
+    "llamacpp/cpu": Efficiency(bandwidth=0.88, tensor=0.6, vector=0.35, attention=0.49, overlap_loss=0.25,
                                layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3),
     "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, attention=0.262, overlap_loss=0.5,
                             layer_cycles=400e3, moe_layer_factor=2.0, step_s=2e-3),

@@ -153,7 +153,11 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     bw = dev.bandwidth_gbs * 1e9 * eff.bandwidth * (eff.dual_die if dev.dies > 1 else 1.0)
     memory_s = (dense + experts - streamed + kv) / bw
 
-    flops = mb * (2 * profile.active_params + profile.attention_flops_per_token(context)) / shard
+    attention = mb * profile.attention_flops_per_token(context) / shard
+    # llama.cpp on a CPU attends in a separate op on its one-row f32 path, after the matmuls, not inside them
+    row_path = dev.kind == CPU and s.engine == "llamacpp"
+    attention_s = cpu_attention_s(dev, eff, attention, tiled=False) if row_path else 0.0
+    flops = mb * 2 * profile.active_params / shard + (0.0 if row_path else attention)
     dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
     peak = _compute_peak(dev, dtype)
     compute_s = flops / (peak * eff.tensor)
@@ -162,7 +166,7 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     kv_ops = 0.0 if kv_native(dev, s.kv) else kv * 8 / s.kv.bits_at(profile.spec.head_dim) * s.kv.dequant_ops
     dequant_s = (elems / shard * ops * passes + kv_ops) / (dev.vector_tflops * 1e12 * eff.vector)
     alu = compute_s + dequant_s
-    kernel_s = max(memory_s, alu) + eff.overlap_loss * min(memory_s, alu)
+    kernel_s = max(memory_s, alu) + eff.overlap_loss * min(memory_s, alu) + attention_s
 
     layers = profile.spec.num_layers / s.pp
     fixed_s = _fixed_cycles(profile, eff, layers) / (dev.clock_ghz * 1e9)
@@ -176,7 +180,7 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     hop_s = eff.hop_s + mb * profile.spec.hidden_size * 2 / (cluster.scale_out_gbs * 1e9)
     latency = s.pp * stage_s + (s.pp - 1) * hop_s + eff.step_s
     return StepTime(
-        latency_s=latency, tokens_per_s=batch / latency, memory_s=memory_s, compute_s=compute_s,
+        latency_s=latency, tokens_per_s=batch / latency, memory_s=memory_s, compute_s=compute_s + attention_s,
         dequant_s=dequant_s, fixed_s=fixed_s + eff.step_s, comm_s=comm_s, stream_s=stream_s,
     )
 
@@ -187,6 +191,13 @@ CPU_ATTENTION_TILE = 64
 # Its one-row path (a quantized cache, or fewer than 64 query rows) multiplies one K/V row at a time
 # (vec_dot, vec_mad: two loads and a store per FMA vector), at about half the tiled GEMM's FMA rate.
 CPU_ROW_PATH_SLOWDOWN = 2.0
+
+
+def cpu_attention_s(dev: Device, eff: Efficiency, flops: float, tiled: bool) -> float:
+    """Seconds of `flops` of attention (QK^T, PV) in llama.cpp's CPU flash attention: f32 FMAs at a fitted
+    share `attention` of the f32 peak on its tiled path, at half that rate on its one-row path (decode
+    rows, a quantized cache, prompts under one tile)."""
+    return flops / (dev.tflops("f32") * 1e12 * eff.attention) * (1.0 if tiled else CPU_ROW_PATH_SLOWDOWN)
 
 
 def attended_pairs(tokens: int, window: int | None, tile: int = 1) -> float:
@@ -218,7 +229,7 @@ def prefill_attention_s(profile: ModelProfile, dev: Device, s: Strategy, tokens:
     if not cpu:
         dtype = s.mix.split("mlp")[0][0] if profile.count("mlp") else s.mix.default
         return flops / (_compute_peak(dev, dtype) * eff.tensor)
-    seconds = flops / (dev.tflops("f32") * 1e12 * eff.attention) * (1.0 if tile > 1 else CPU_ROW_PATH_SLOWDOWN)
+    seconds = cpu_attention_s(dev, eff, flops, tiled=tile > 1)
     if quantized:
         expanded = per_head * pairs / (s.tp * s.pp)
         seconds += expanded * s.kv.dequant_ops / (dev.vector_tflops * 1e12 * eff.vector)
