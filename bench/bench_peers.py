@@ -147,8 +147,8 @@ def serve_pair(bin_dir: Path, model: Path, theirs_first: bool = False) -> tuple[
 def plan_vs_bench() -> list[dict[str, Any]]:
     """`twinfer plan` (default model, this machine, bandwidth measured once) against `twinfer bench` at
     the same shape: a 64-token prompt (the bench default) and a 4,096-token one (the plan default)."""
-    subprocess.run([sys.executable, "-m", "twinfer.cli.main", "hw", "--measure", "--json"], check=True,
-                   capture_output=True)
+    hw = json.loads(subprocess.run([sys.executable, "-m", "twinfer.cli.main", "hw", "--measure", "--json"], check=True,
+                                   capture_output=True, text=True).stdout)
     rows = []
     for prompt, context in ((64, 64), (4096, 4096)):  # the plan prices a prompt of `context` tokens
         plan = json.loads(subprocess.run([sys.executable, "-m", "twinfer.cli.main", "plan", "--context", str(context),
@@ -159,7 +159,8 @@ def plan_vs_bench() -> list[dict[str, Any]]:
         rows.append({"prompt_tokens": prompt, "context": context, "kv_format": plan["kv_format"],
                      "predicted_decode_tok_s": plan["predicted"]["decode_tokens_per_s"],
                      "measured_decode_tok_s": 1 / r["tpot_p50_s"],
-                     "predicted_ttft_s": plan["predicted"]["ttft_s"], "measured_ttft_s": r["ttft_p50_s"]})
+                     "predicted_ttft_s": plan["predicted"]["ttft_s"], "measured_ttft_s": r["ttft_p50_s"],
+                     "hw_measured": hw["measured"]})  # the read bandwidth the plan used, the f32 GEMM rate
     return rows
 
 

@@ -59,7 +59,7 @@ def main() -> None:
     ttft_err: list[float] = []
     for name, host, gbs, decode, ttft in RUNS:
         cells = [f"{name}, {gbs} GB/s"]
-        for context, d_measured, t_measured in zip((64, 4096), decode, ttft):
+        for context, d_measured, t_measured in zip((64, 4096), decode, ttft, strict=True):
             d, t = predict(host, gbs, context, cal)
             decode_err.append(d / d_measured - 1)
             cells.append(f"{context}: decode {d:.1f} vs {d_measured} ({decode_err[-1]:+.0%})")

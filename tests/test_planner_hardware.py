@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from twinfer.planners import probe
@@ -106,6 +108,17 @@ def test_probe_cpu_reads_the_pinned_host() -> None:
     d = probe.probe_cpu(host).device
     assert d.label.startswith(host.model) and d.memory_gb == round(host.memory_bytes / 1e9, 1)
     assert d.kind == "cpu" and d.bandwidth_gbs == host.measured_gbs and d.vector_tflops > 0
+
+
+
+def test_the_gemm_rate_is_cached_under_twinfer_cache_and_does_not_move_the_plan(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TWINFER_CACHE", str(tmp_path))
+    host = probe.read_host()
+    before = probe.probe_cpu(host).device
+    rate = probe.measure_cpu_gemm(n=64, seconds=0.01)
+    cached = json.loads((tmp_path / "hardware" / "hardware.json").read_text())
+    assert rate > 0 and cached[host.key + ":f32_gemm_gflops"] == round(rate, 1)
+    assert probe.probe_cpu(probe.read_host()).device == before  # recorded, not priced
 
 
 # Headline dense peaks as vendor pages print them ("with sparsity" figures halved; GeForce 40 "AI TOPS" are

@@ -20,6 +20,7 @@ def run_hw(list_table: bool, json_out: bool, measure: bool, hardware: str) -> No
     measured: dict[str, float] = {}
     if measure:
         measured["cpu read bandwidth"] = probe.measure_cpu_bandwidth()
+        measured["cpu f32 gemm"] = probe.measure_cpu_gemm()
         gpu = probe.measure_gpu_copy_bandwidth()
         if gpu is not None:
             measured["gpu copy bandwidth"] = gpu

@@ -84,6 +84,6 @@ def render_cluster(cluster: Cluster, measured: dict[str, float]) -> str:
         f"link        {d.link} {d.interconnect_gbs:g} GB/s",
         f"source      {d.source}",
     ]
-    lines += [f"measured    {k}: {v:.1f} GB/s" for k, v in measured.items()]
+    lines += [f"measured    {k}: {v:.1f} {'GB/s' if k.endswith('bandwidth') else 'GFLOP/s'}" for k, v in measured.items()]
     lines += [f"note        {n}" for n in cluster.notes]
     return "\n".join(lines)
