@@ -10,7 +10,8 @@ with the ratio of the two sides' means and the best-of-each-side ratio beside th
 2. 16 streams: `twinfer bench -c 16 -p 64 -o 64` vs the perfect-batching ceiling (bench_engine.ceiling);
 3. HTTP: `twinfer serve` vs `llama-server -np 16`, both driven by `twinfer bench --url` (16 clients,
    ~100-token prompts, 64 streamed tokens, ignore_eos), at the thread count each picks by default.
-4. the planner: `twinfer plan` vs `twinfer bench -c 1` at 64- and 4,096-token prompts (decode and TTFT).
+4. the planner: `twinfer plan` vs `twinfer bench -c 1` at 64- and 4,096-token prompts (decode and TTFT),
+   once, or at the start of each of the first `--plan-rounds` rounds with the median errors over them.
 Prints one JSON object with every figure, the ratios and the build/hardware context.
 """
 
@@ -164,19 +165,36 @@ def plan_vs_bench() -> list[dict[str, Any]]:
     return rows
 
 
+def plan_error_medians(rounds: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per prompt length, the plan's decode and TTFT errors (predicted / measured - 1) round by round,
+    and their medians."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, row in enumerate(rounds[0]):
+        for what in ("decode_tok_s", "ttft_s"):
+            errors = [r[i]["predicted_" + what] / r[i]["measured_" + what] - 1 for r in rounds]
+            out[f"{row['prompt_tokens']}:{what}"] = {"per_round": errors, "median": statistics.median(errors)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-bin", type=Path, required=True, help="folder holding llama-bench and llama-server")
     ap.add_argument("--only", default="plan,single,batch,serve")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each pair")
+    ap.add_argument("--plan-rounds", type=int, default=1,
+                    help="plan-vs-bench comparisons, each with a fresh bandwidth measurement, at the start of "
+                         "the first rounds (the median error over them is reported)")
     args = ap.parse_args()
     model = default_model_path()
     parts = set(args.only.split(","))
     out: dict[str, Any] = {"hardware": hardware_info(), "default_threads": default_threads(),
                            "model": model.name, "llamacpp_amx": amx_verdict()}
-    if "plan" in parts:
-        out["plan_vs_bench"] = plan_vs_bench()
-    for round_no in range(args.rounds):
+    plan_rounds: list[list[dict[str, Any]]] = []
+    for round_no in range(max(args.rounds, args.plan_rounds if "plan" in parts else 0)):
+        if "plan" in parts and round_no < args.plan_rounds:
+            plan_rounds.append(plan_vs_bench())
+        if round_no >= args.rounds:
+            continue
         if "single" in parts:
             out.setdefault("single", []).append({**twinfer_single(),
                                                  "llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)})
@@ -190,6 +208,10 @@ def main() -> None:
                                                 "llama_server_tok_s": serve_tok_s(theirs),
                                                 "twinfer_server": ours.get("server"),
                                                 "llama_server": theirs.get("server")})
+    if plan_rounds:
+        out["plan_vs_bench"] = plan_rounds[0]
+        out["plan_rounds"] = plan_rounds
+        out["plan_error_medians"] = plan_error_medians(plan_rounds)
     best = {k: {f: max(r[f] for r in rows if isinstance(r[f], float)) for f in rows[0] if isinstance(rows[0][f], float)}
             for k, rows in out.items() if k in ("single", "batch", "serve")}
     out["best"] = best
