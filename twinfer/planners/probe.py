@@ -347,9 +347,9 @@ def measure_cpu_bandwidth(total_mb: int | None = None, seconds: float = 1.0) -> 
 
 def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
     """f32 matrix-multiply rate in GFLOP/s on every usable core (numpy's BLAS, n x n by n x n): the median of
-    about `seconds` of products (at least three), cached beside the bandwidth for this CPU.
+    about `seconds` of products (at least three). `twinfer hw --measure` reports it.
 
-    Recorded, not yet used by the cost model: it shows when cores run off the clock /proc reports (a 2-core
+    Reported, not used by the cost model (nor cached) yet: it shows when cores run off the clock /proc reports (a 2-core
     AVX-512 EPYC VM that reports 2.6 GHz multiplied at 170-200 GFLOP/s, above the 166 its f32 peak at that
     clock allows), but the `tensor` and `attention` factors were fitted against reported clocks on hosts that
     were never measured this way (docs/planner-accuracy.md, "Decode attention").
@@ -366,9 +366,7 @@ def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
         start = time.perf_counter()
         a @ b
         rates.append(2 * n**3 / (time.perf_counter() - start) / 1e9)
-    measured = float(np.median(rates))
-    _store(read_host().key + ":f32_gemm_gflops", round(measured, 1))
-    return measured
+    return float(np.median(rates))
 
 
 def measure_gpu_copy_bandwidth(gb: float = 1.0) -> float | None:
