@@ -108,7 +108,6 @@ def test_probe_cpu_reads_the_pinned_host() -> None:
     assert d.kind == "cpu" and d.bandwidth_gbs == host.measured_gbs and d.vector_tflops > 0
 
 
-
 def test_hw_reports_each_measurement_in_its_unit() -> None:
     from twinfer.planners.report import render_cluster
 
