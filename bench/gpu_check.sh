@@ -6,7 +6,9 @@
 #      CUDA graphs), with achieved HBM bandwidth as a fraction of the card's (4.8 TB/s on an H200),
 #      and batch 1 again without graphs: what the graphs buy;
 #   3. decode tokens/s at batch 1 and 64 of a DeepSeek-V3-shaped random MoE (4 layers at full width, MLA,
-#      256 experts top 8, FP8 projections), as one rank of EP 8, with achieved HBM bandwidth (bench/gpu_moe.py).
+#      256 experts top 8, FP8 projections), as one rank of EP 8, with achieved HBM bandwidth (bench/gpu_moe.py);
+#   4. where those steps' time goes: a graph replay's device time against the step's wall time, and the
+#      kernels of an eager step ranked by CUDA time (bench/gpu_profile.py).
 # Usage: bash bench/gpu_check.sh [--dry-run]   (--dry-run: CPU, tiny model; what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,14 +22,17 @@ assert torch.cuda.is_available(), "no CUDA device visible to torch"
 print("torch", torch.__version__, "cuda", torch.version.cuda, "capability", torch.cuda.get_device_capability())
 PY
   echo "== CUDA tests (cuda marker: formats, CUDA graphs; triton kernels compiled) =="
-  TRITON_INTERPRET=0 timeout 240 python -m pytest -q -m "cuda" tests/test_cuda_formats.py tests/test_cuda_graphs.py
-  TRITON_INTERPRET=0 timeout 180 python -m pytest -q tests/test_triton_kernels.py tests/test_cuda_graphs.py
+  TRITON_INTERPRET=0 timeout 240 python -m pytest -q tests/test_cuda_formats.py tests/test_cuda_graphs.py \
+    tests/test_triton_kernels.py
   echo "== decode throughput =="
   timeout 240 python bench/gpu_decode.py --batches 1,64 --formats bf16,fp8 --context 1024 --steps 32
   timeout 90 python bench/gpu_decode.py --batches 1 --formats bf16 --context 1024 --steps 32 --no-cuda-graphs
   echo "== DeepSeek-V3-shaped MoE decode (FP8, EP 8 rank) =="
   timeout 180 python bench/gpu_moe.py --layers 4 --ep 8 --batches 1,64 --formats fp8 --context 1024 --steps 16
+  echo "== where the time goes (graph replay vs step wall; kernels of an eager step) =="
+  timeout 200 python bench/gpu_profile.py --top 14
 else
   python bench/gpu_decode.py --dry-run
   python bench/gpu_moe.py --dry-run --batches 1,4
+  python bench/gpu_profile.py --dry-run --cases llama:bf16:1,moe:fp8:4 --top 3
 fi

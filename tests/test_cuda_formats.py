@@ -158,3 +158,13 @@ def test_gpu_check_script_parses_and_its_decode_bench_dry_runs() -> None:
     # FP8 stores the projections in one byte: its step reads less than the float32 dry-run weights
     assert rows[("fp8", 1)]["bytes_per_step"] < rows[("bf16", 1)]["bytes_per_step"]
     assert all(r["tokens_per_s"] > 0 and r["hbm_fraction"] > 0 for r in rows.values())
+
+
+def test_gpu_profile_dry_run_reports_each_case() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"), "--dry-run", "--cases",
+                           "llama:bf16:1,moe:fp8:4", "--top", "3"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    heads = [line for line in proc.stdout.splitlines() if line.startswith("== ")]
+    assert [h.split()[1] for h in heads] == ["llama:bf16:1", "moe:fp8:4"]
+    assert proc.stdout.count(" ms of it") == 2  # the eager step's kernel time against its wall time

@@ -272,9 +272,16 @@ class TorchOps:
         K = cache[ctx.kv_slots].transpose(1, 2)  # [B, 1, L, R + P]
         V = K[..., : self.spec.mla.kv_lora_rank]  # [B, 1, L, R]
         mask = self._mask(ctx, self.spec.window(layer))
-        out = F.scaled_dot_product_attention(
-            Q, K, V, attn_mask=mask, scale=self.spec.attention_scale, enable_gqa=True
-        )  # [B, H, Tq, R]
+        B, H, Tq, _ = Q.shape
+        if Tq == 1:  # decode: every head attends to the one latent head, so fold the heads into query rows
+            # (SDPA's enable_gqa would expand K/V to all H heads: 128 copies of the latent cache at batch 64)
+            out = F.scaled_dot_product_attention(
+                Q.reshape(B, 1, H, -1), K, V, attn_mask=mask, scale=self.spec.attention_scale
+            ).reshape(B, H, 1, -1)  # [B, H, 1, R]; mask [B, 1, 1, L] broadcasts over the folded rows
+        else:
+            out = F.scaled_dot_product_attention(
+                Q, K, V, attn_mask=mask, scale=self.spec.attention_scale, enable_gqa=True
+            )  # [B, H, Tq, R]
         return out.transpose(1, 2)[ctx.q_valid]  # [T, H, R]
 
     def _mask(self, ctx: TorchStep, window: int | None) -> torch.Tensor:

@@ -20,7 +20,8 @@ import triton.language as tl
 
 @triton.jit
 def _grouped_gemm(a_ptr, b_ptr, out_ptr, pair_ptr, expert_ptr, weight_ptr, N, K, num_pairs, a_row_div,
-                  MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """out[pair, :] = a[pair // a_row_div, :] @ b[expert].T (* weight[pair]) for one expert's row block."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -36,7 +37,7 @@ def _grouped_gemm(a_ptr, b_ptr, out_ptr, pair_ptr, expert_ptr, weight_ptr, N, K,
         a = tl.load(a_ptr + a_row[:, None] * K + ks[None, :], mask=real[:, None] & (ks[None, :] < K), other=0.0)
         b = tl.load(b_ptr + (e * N + cols[None, :]) * K + ks[:, None],
                     mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=PRECISION)
     if MUL_WEIGHT:
         acc *= tl.load(weight_ptr + pair, mask=real, other=0.0).to(tl.float32)[:, None]
     mask = real[:, None] & (cols[None, :] < N)
@@ -95,13 +96,16 @@ def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
     w = topk_weights.flatten().contiguous()
     x = x.contiguous()
     g, u = (torch.empty((P, inter), dtype=x.dtype, device=x.device) for _ in range(2))
+    # float32 weights multiply in float32: tl.dot's default on tensor cores is TF32 (10-bit mantissa), which
+    # puts float32 runs 1e-3 away from the reference; bf16/f16 inputs are exact products either way
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     for b, out in ((gate, g), (up, u)):
         _grouped_gemm[(m_blocks, triton.cdiv(inter, block_n))](
             x, b.contiguous(), out, pairs, experts, w, inter, C, P, k,
-            MUL_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            MUL_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
     a = ((F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u).contiguous()  # [P, I]
     y = torch.zeros((P, C), dtype=x.dtype, device=x.device)  # rows of pairs held elsewhere stay zero
     _grouped_gemm[(m_blocks, triton.cdiv(C, block_n))](
         a, down.contiguous(), y, pairs, experts, w, C, inter, P, 1,
-        MUL_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        MUL_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
     return y.view(T, k, C).sum(dim=1)
