@@ -105,6 +105,21 @@ def test_scaled_mm_matches_reference_on_gpu() -> None:
     assert (lin(x).float() - want).abs().max() <= 0.02 * want.abs().max()  # bf16 output rounding
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_decode_rows_take_the_fp8_weight_kernel_on_gpu() -> None:
+    """At most 16 rows: the codes widened in registers against 16-bit activations, the scale at the end."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096 + 32, 1024, generator=g, device="cuda", dtype=torch.bfloat16) * 0.03
+    lin = Fp8Linear.from_weight(w)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ lin.dequantize().t()
+        assert (lin(x).float() - want).abs().max() <= 0.01 * want.abs().max()  # bf16 output rounding
+
+
 def _plan(model: str, hardware: str) -> dict[str, object]:
     from typer.testing import CliRunner
 

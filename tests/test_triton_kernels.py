@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from twinfer.backends.cuda.kernels.fp8_gemm import fp8_weight_gemm  # noqa: E402
 from twinfer.backends.cuda.kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
 from twinfer.backends.cuda.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from twinfer.backends.cuda.kernels.reference import (  # noqa: E402
@@ -37,21 +38,54 @@ def test_rms_norm_residual_matches_reference() -> None:
     assert (y.cpu() - y_ref).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_attention_matches_reference(window: int | None) -> None:
+def test_paged_decode_attention_matches_reference(window: int | None, splits: int | None) -> None:
+    """Grouped query heads (4 per KV head), a context split 1 or 3 ways or by the shapes (None)."""
     g = torch.Generator().manual_seed(1)
-    B, H, Hkv, D, bs = 3, 4, 2, 16, 4
-    num_blocks = 24
+    B, H, Hkv, D, bs = 3, 8, 2, 16, 4
+    num_blocks = 36
     k_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g)
-    tables = torch.randperm(num_blocks, generator=g)[:18].view(B, 6)  # scattered, non-contiguous blocks
-    lens = torch.tensor([1, 13, 23])  # one position, a partial block, more than BLOCK_N positions
+    tables = torch.randperm(num_blocks, generator=g)[:30].view(B, 10)  # scattered, non-contiguous blocks
+    lens = torch.tensor([1, 13, 37])  # one position, a partial block, more than two BLOCK_N runs
     q = torch.randn(B, H, D, generator=g)
     args = (k_cache, v_cache, tables, lens, bs, D**-0.5, window)
     got = paged_decode_attention(q.to(DEVICE), *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args),
-                                 block_n=8)
+                                 block_n=16, splits=splits)
     want = paged_decode_attention_ref(q, *args)
     assert (got.cpu() - want).abs().max() <= 1e-5
+
+
+HALF = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # the interpreter misreads bf16 dots
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_paged_decode_attention_in_half_precision_stays_near_float(dtype: torch.dtype) -> None:
+    """16-bit caches: the probabilities enter the value product in 16 bits, as flash attention's do."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, bs = 2, 4, 1, 32, 16
+    k_cache, v_cache = (torch.randn(8 * bs, Hkv, D, generator=g) for _ in range(2))
+    tables, lens, q = torch.arange(8).view(B, 4), torch.tensor([50, 64]), torch.randn(B, H, D, generator=g)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, bs, D**-0.5)
+    got = paged_decode_attention(*(a.to(DEVICE, dtype) for a in (q, k_cache, v_cache)),
+                                 tables.to(DEVICE), lens.to(DEVICE), bs, D**-0.5, splits=2)
+    assert (got.float().cpu() - want).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("rows,splits", [(1, 1), (5, 3), (16, None)])
+def test_fp8_weight_gemm_matches_the_dequantized_product(rows: int, splits: int | None) -> None:
+    """N and K not multiples of the tiles; K split 1 or 3 ways or by the shapes (None)."""
+    from twinfer.backends.cuda.formats import Fp8Linear
+
+    g = torch.Generator().manual_seed(5)
+    N, K = 72, 400
+    w = Fp8Linear.from_weight(torch.randn(N, K, generator=g))
+    x = torch.randn(rows, K, generator=g)
+    got = fp8_weight_gemm(x.to(DEVICE), w.codes.to(DEVICE), w.scale.to(DEVICE), block_k=64, splits=splits)
+    want = x @ w.dequantize().t()
+    assert got.shape == (rows, N)
+    assert (got.cpu() - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_align_by_expert_pads_each_expert_to_a_block() -> None:

@@ -109,7 +109,15 @@ class Fp8Linear:
         return self.codes.float() * self.scale
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] in x's dtype (TorchOps.linear calls non-tensor weights this way)."""
+        """x [T, in] -> [T, out] in x's dtype (TorchOps.linear calls non-tensor weights this way).
+
+        A decode step's few rows (at most 16) on a capable GPU go to the FP8-weight kernel, which keeps
+        the activations in 16 bits; more rows quantize them per row for `torch._scaled_mm`.
+        """
+        small = _small_rows_kernel() if fp8_supported(x.device) and x.dim() == 2 else None
+        if small is not None and x.shape[0] <= 16:
+            y = small(x, self.codes, self.scale)
+            return y if bias is None else y + bias
         xq, xs = quantize_rows(x)
         if fp8_supported(x.device) and x.shape[1] % 16 == 0 and self.codes.shape[0] % 16 == 0:
             y = torch._scaled_mm(xq, self.codes.t(), scale_a=xs, scale_b=self.scale.t(), out_dtype=torch.bfloat16)
@@ -117,6 +125,21 @@ class Fp8Linear:
             y = fp8_linear_reference(xq, xs, self.codes, self.scale)
         y = y.to(x.dtype)
         return y if bias is None else y + bias
+
+
+_SMALL: list[Any] = []
+
+
+def _small_rows_kernel() -> Any:
+    """The triton FP8-weight kernel for decode rows, or None where the triton kernels are off (TWINFER_KERNELS)."""
+    if not _SMALL:
+        from twinfer.backends.cuda.kernels import select_kernels
+
+        use = select_kernels(None, "cuda") == "triton"
+        if use:
+            from twinfer.backends.cuda.kernels.fp8_gemm import fp8_weight_gemm
+        _SMALL.append(fp8_weight_gemm if use else None)
+    return _SMALL[0]
 
 
 def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:

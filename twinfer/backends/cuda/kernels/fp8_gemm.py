@@ -1,0 +1,73 @@
+"""FP8-weight products for the few rows of a decode step: y = x @ (codes * scale).T, split over K.
+
+At a handful of rows a projection is a pass over its weight, so what counts is reading the E4M3
+codes at the card's bandwidth. `torch._scaled_mm` first quantizes the activations (a reduction and
+four elementwise launches per projection) and then runs a GEMM tiled for many rows: on an H200 an
+8B model's FP8 decode step at batch 1 took longer than its BF16 step. Here each program loads a
+BLOCK_K x BLOCK_N tile of codes, widens it to the activations' dtype in registers, and multiplies
+it with the rows on the tensor cores; the per-channel scale is applied once at the end. The
+activations stay in 16 bits, which is closer to the unquantized product than FP8 activations.
+
+K is split over programs when the output alone gives too few of them (the 1,024-row K/V
+projections of a GQA model), each split writing float32 partial sums that one reduction adds, so
+the result does not depend on the order the programs ran (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the decode rows this path takes; larger batches go to the scaled-mm GEMM
+
+
+@triton.jit
+def _fp8_weight_gemm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K),
+                    other=0.0)  # [BLOCK_K, BLOCK_N] codes
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:  # float32 partial sums [splits, M, N], added by the caller
+        tl.store(out_ptr + (split * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+    else:
+        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], (acc * scale[None, :]).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def k_splits(n_blocks: int, k: int, block_k: int, device: torch.device) -> int:
+    """Splits of K that give about two programs per SM, each split at least four BLOCK_K runs."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(-(-2 * sms // n_blocks), k // (4 * block_k)))
+
+
+def fp8_weight_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block_n: int = 32,
+                    block_k: int = 128, splits: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ (codes [N, K] float8_e4m3fn * scale [N, 1]).T -> [M, N] in x's dtype."""
+    M, K = x.shape
+    N = codes.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"fp8_weight_gemm takes at most {MAX_ROWS} rows, got {M}")
+    x = x.contiguous()
+    n_blocks = triton.cdiv(N, block_n)
+    S = splits or k_splits(n_blocks, K, block_k, x.device)
+    per = triton.cdiv(triton.cdiv(K, S), block_k) * block_k
+    S = triton.cdiv(K, per)  # no empty split
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    out = torch.empty((S, M, N) if S > 1 else (M, N), dtype=torch.float32 if S > 1 else x.dtype, device=x.device)
+    _fp8_weight_gemm[(n_blocks, S)](x, codes, scale, out, M, N, K, per, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+                                    BLOCK_K=block_k, SPLIT=S > 1, PRECISION=precision)
+    if S == 1:
+        return out
+    return (out.sum(dim=0) * scale.view(1, N)).to(x.dtype)
