@@ -24,6 +24,7 @@ from twinfer.backends.cuda.kernels.reference import (  # noqa: E402
     rms_norm_residual_ref,
 )
 from twinfer.backends.cuda.kernels.rmsnorm import rms_norm, rms_norm_residual  # noqa: E402
+from twinfer.backends.cuda.kernels.rope import rope, rope_applies  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
@@ -86,6 +87,25 @@ def test_fp8_weight_gemm_matches_the_dequantized_product(rows: int, splits: int 
     want = x @ w.dequantize().t()
     assert got.shape == (rows, N)
     assert (got.cpu() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("D,R", [(32, 32), (48, 16)])  # full rotary; partial (dims past R pass through)
+def test_rope_matches_the_torch_rotation(D: int, R: int) -> None:
+    from twinfer.backends.cuda.ops import TorchOps
+
+    g = torch.Generator().manual_seed(6)
+    T, H = 5, 6  # H not a power of two: masked rows
+    qkv = torch.randn(T, H + 4, D, generator=g)
+    x = qkv[:, 2 : 2 + H]  # a strided view, as a fused projection's split gives
+    freqs = torch.arange(T).float()[:, None] * (10000.0 ** (-torch.arange(R // 2).float() / (R // 2)))
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    assert rope_applies(x, R)
+    got = rope(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)).cpu()
+    rot = TorchOps._rotate(x[..., :R], cos, sin)
+    want = torch.cat((rot, x[..., R:]), dim=-1)
+    assert (got - want).abs().max() <= 1e-6
+    assert not rope_applies(x, 24)  # a half width of 12 does not tile: the torch form runs
 
 
 def test_align_by_expert_pads_each_expert_to_a_block() -> None:
@@ -152,7 +172,7 @@ def test_models_through_the_kernels_match_the_torch_path(arch: str) -> None:
     runner = build_torch_runner(SPECS[arch], weights(arch), kv_tokens=256, block_size=4, kernels="triton",
                                 cuda_graphs=False, device=DEVICE)
     k = runner.torch_ops._k
-    calls = {"paged_decode_attention": 0, "fused_moe": 0, "rms_norm_residual": 0}
+    calls = {"paged_decode_attention": 0, "fused_moe": 0, "rms_norm_residual": 0, "rope": 0}
     for name in calls:  # count the launches, so a silent fallback to torch fails the test
         fn = getattr(k, name)
         setattr(k, name, lambda *a, _fn=fn, _name=name, **kw: (calls.__setitem__(_name, calls[_name] + 1),
@@ -166,6 +186,7 @@ def test_models_through_the_kernels_match_the_torch_path(arch: str) -> None:
     assert calls["paged_decode_attention"] == 5 * layers  # 5 decode steps; the 2 prefill steps use SDPA
     assert calls["rms_norm_residual"] == 7 * layers
     assert calls["fused_moe"] == (7 * layers if arch == "qwen3_moe" else 0)
+    assert calls["rope"] == 2 * 7 * layers  # queries and keys, every step
 
 
 def test_gemma3_block_takes_the_fused_add_norm() -> None:

@@ -192,6 +192,8 @@ class TorchOps:
     def rope(self, x: torch.Tensor, ctx: TorchStep, layer: int) -> torch.Tensor:
         cos, sin = self._rope_table(ctx, layer)  # [T, 1, R]
         R = cos.shape[-1]
+        if self._k is not None and self._k.rope_applies(x, R):
+            return self._k.rope(x, cos, sin)  # type: ignore[no-any-return]
         if x.shape[-1] > R:  # partial rotary: the dims past R pass through
             return torch.cat((self._rotate(x[..., :R], cos, sin), x[..., R:]), dim=-1)
         return self._rotate(x, cos, sin)

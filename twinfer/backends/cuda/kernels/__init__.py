@@ -52,6 +52,7 @@ def load_kernels() -> Any:
     from twinfer.backends.cuda.kernels.fused_moe import fused_moe
     from twinfer.backends.cuda.kernels.paged_attention import paged_decode_attention
     from twinfer.backends.cuda.kernels.rmsnorm import rms_norm, rms_norm_residual
+    from twinfer.backends.cuda.kernels.rope import rope, rope_applies
 
     return SimpleNamespace(fused_moe=fused_moe, paged_decode_attention=paged_decode_attention, rms_norm=rms_norm,
-                           rms_norm_residual=rms_norm_residual)
+                           rms_norm_residual=rms_norm_residual, rope=rope, rope_applies=rope_applies)

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # the decode rows this path takes; larger batches go to the scaled-mm GEMM
+# Tiles and launch shape; bench/gpu_tune.py sweeps them on a GPU and can set them for a run.
+CONFIG = {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 
 
 @triton.jit
@@ -46,28 +48,43 @@ def _fp8_weight_gemm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, BLOCK_M
                  mask=mask)
 
 
-def k_splits(n_blocks: int, k: int, block_k: int, device: torch.device) -> int:
-    """Splits of K that give about two programs per SM, each split at least four BLOCK_K runs."""
+@triton.jit
+def _sum_splits(part_ptr, s_ptr, out_ptr, MN, N, SPLITS, BLOCK: tl.constexpr):
+    """out = sum over splits of part [SPLITS, M, N], times the channel scale, in out's dtype: one launch."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < MN
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(part_ptr + s * MN + i, mask=m, other=0.0)
+    scale = tl.load(s_ptr + i % N, mask=m, other=0.0)
+    tl.store(out_ptr + i, (acc * scale).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def k_splits(n_blocks: int, k: int, block_k: int, device: torch.device, programs_per_sm: int = 2) -> int:
+    """Splits of K that give about `programs_per_sm` programs per SM, each split at least four BLOCK_K runs."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-2 * sms // n_blocks), k // (4 * block_k)))
+    return max(1, min(-(-programs_per_sm * sms // n_blocks), k // (4 * block_k)))
 
 
-def fp8_weight_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block_n: int = 32,
-                    block_k: int = 128, splits: int | None = None) -> torch.Tensor:
+def fp8_weight_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block_n: int | None = None,
+                    block_k: int | None = None, splits: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ (codes [N, K] float8_e4m3fn * scale [N, 1]).T -> [M, N] in x's dtype."""
     M, K = x.shape
     N = codes.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"fp8_weight_gemm takes at most {MAX_ROWS} rows, got {M}")
+    bn, bk = block_n or CONFIG["block_n"], block_k or CONFIG["block_k"]
     x = x.contiguous()
-    n_blocks = triton.cdiv(N, block_n)
-    S = splits or k_splits(n_blocks, K, block_k, x.device)
-    per = triton.cdiv(triton.cdiv(K, S), block_k) * block_k
+    n_blocks = triton.cdiv(N, bn)
+    S = splits or k_splits(n_blocks, K, bk, x.device, CONFIG["programs_per_sm"])
+    per = triton.cdiv(triton.cdiv(K, S), bk) * bk
     S = triton.cdiv(K, per)  # no empty split
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    out = torch.empty((S, M, N) if S > 1 else (M, N), dtype=torch.float32 if S > 1 else x.dtype, device=x.device)
-    _fp8_weight_gemm[(n_blocks, S)](x, codes, scale, out, M, N, K, per, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-                                    BLOCK_K=block_k, SPLIT=S > 1, PRECISION=precision)
-    if S == 1:
-        return out
-    return (out.sum(dim=0) * scale.view(1, N)).to(x.dtype)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    part = torch.empty((S, M, N), dtype=torch.float32, device=x.device) if S > 1 else out
+    _fp8_weight_gemm[(n_blocks, S)](x, codes, scale, part, M, N, K, per, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk,
+                                    SPLIT=S > 1, PRECISION=precision, num_warps=CONFIG["num_warps"],
+                                    num_stages=CONFIG["num_stages"])
+    if S > 1:
+        _sum_splits[(triton.cdiv(M * N, 1024),)](part, scale, out, M * N, N, S, BLOCK=1024)
+    return out

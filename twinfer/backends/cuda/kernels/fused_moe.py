@@ -44,6 +44,10 @@ def _grouped_gemm(a_ptr, b_ptr, out_ptr, pair_ptr, expert_ptr, weight_ptr, N, K,
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Tiles and warps; bench/gpu_tune.py sweeps them on a GPU and can set them for a run.
+CONFIG = {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 3}
+
+
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """An upper bound on sum_e ceil(count_e / block_m) over experts with pairs, from the shapes alone."""
     return -(-num_pairs // block_m) + min(num_experts, num_pairs)
@@ -79,12 +83,15 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, firs
 
 
 def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, act: str = "silu", first: int = 0, block_m: int = 16, block_n: int = 32,
-              block_k: int = 32) -> torch.Tensor:
+              topk_weights: torch.Tensor, act: str = "silu", first: int = 0, block_m: int | None = None,
+              block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
     """x [T, C]; gate/up [E, I, C]; down [E, C, I]; topk ids/weights [T, k] -> [T, C] (see reference.py).
 
     With `first`, the weights hold experts first .. first + E and pairs routed elsewhere add nothing.
     """
+    block_m, block_n, block_k = (v or CONFIG[k] for k, v in (("block_m", block_m), ("block_n", block_n),
+                                                              ("block_k", block_k)))
+    launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
     T, C = x.shape
     E, inter, _ = gate.shape
     k = topk_ids.shape[1]
@@ -102,10 +109,10 @@ def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
     for b, out in ((gate, g), (up, u)):
         _grouped_gemm[(m_blocks, triton.cdiv(inter, block_n))](
             x, b.contiguous(), out, pairs, experts, w, inter, C, P, k,
-            MUL_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+            MUL_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch)
     a = ((F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u).contiguous()  # [P, I]
     y = torch.zeros((P, C), dtype=x.dtype, device=x.device)  # rows of pairs held elsewhere stay zero
     _grouped_gemm[(m_blocks, triton.cdiv(C, block_n))](
         a, down.contiguous(), y, pairs, experts, w, C, inter, P, 1,
-        MUL_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+        MUL_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch)
     return y.view(T, k, C).sum(dim=1)

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 
 MAX_SPLITS = 64
+# Tile and launch shape; bench/gpu_tune.py sweeps them on a GPU and can set them for a run.
+CONFIG = {"block_n": 32, "num_warps": 4, "programs_per_sm": 2}
 
 
 @triton.jit
@@ -89,15 +91,15 @@ def _merge_splits(acc_ptr, ml_ptr, out_ptr, SPLITS, D: tl.constexpr, S_PAD: tl.c
 
 
 def num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs for about two per SM, no more than the table has BLOCK_N runs."""
+    """Splits per sequence: about `programs_per_sm` programs per SM, no more than the table has BLOCK_N runs."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = -(-2 * sms // (batch * kv_heads))
+    want = -(-CONFIG["programs_per_sm"] * sms // (batch * kv_heads))
     return max(1, min(MAX_SPLITS, want, -(-max_tokens // block_n)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, window: int | None = None, block_n: int = 32,
+                           scale: float, window: int | None = None, block_n: int | None = None,
                            splits: int | None = None) -> torch.Tensor:
     """q [B, H, D] against k/v_cache [slots, Hkv, D] through block_tables [B, max_blocks] -> [B, H, D].
 
@@ -105,6 +107,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     B, H, D = q.shape
     Hkv = k_cache.shape[1]
+    block_n = block_n or CONFIG["block_n"]
     if block_n < 16 or D < 16:
         raise ValueError(f"the decode kernel's tiles need block_n and head_dim of at least 16, got {block_n}, {D}")
     tables = block_tables.to(torch.int32).contiguous()
@@ -118,6 +121,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.contiguous(), k_cache, v_cache, tables, context_lens.to(torch.int32).contiguous(), out, acc, ml, scale,
         window if window is not None else 1 << 30, max_blocks, S, H=H, HKV=Hkv, D=D, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, G_PAD=max(16, triton.next_power_of_2(H // Hkv)), DIRECT=S == 1, PRECISION=precision,
+        num_warps=CONFIG["num_warps"],
     )
     if S > 1:
         _merge_splits[(B * H,)](acc, ml, out, S, D=D, S_PAD=triton.next_power_of_2(S))
