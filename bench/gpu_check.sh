@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check for the datacenter target, under 8 minutes on one H200:
+# One GPU check for the datacenter target, about 5 minutes on one H200:
 #   1. the CUDA-marked tests (FP8 GEMM, CUDA-graph capture and replay vs eager) and the triton kernels
 #      compiled for the GPU (not interpreted), alone and wired into whole tiny models;
 #   2. decode tokens/s at batch 1 and 64 of a random-weight ~8B Llama in BF16 and FP8 (triton kernels,
@@ -8,7 +8,9 @@
 #   3. decode tokens/s at batch 1 and 64 of a DeepSeek-V3-shaped random MoE (4 layers at full width, MLA,
 #      256 experts top 8, FP8 projections), as one rank of EP 8, with achieved HBM bandwidth (bench/gpu_moe.py);
 #   4. where those steps' time goes: a graph replay's device time against the step's wall time, and the
-#      kernels of an eager step ranked by CUDA time (bench/gpu_profile.py).
+#      kernels of an eager step ranked by CUDA time (bench/gpu_profile.py);
+#   5. the triton kernels' tiles swept at those decode shapes, then decode measured with the winners
+#      (bench/gpu_tune.py --apply): whether the defaults in each kernel module still win on this card.
 # Usage: bash bench/gpu_check.sh [--dry-run]   (--dry-run: CPU, tiny model; what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,8 +33,11 @@ PY
   timeout 180 python bench/gpu_moe.py --layers 4 --ep 8 --batches 1,64 --formats fp8 --context 1024 --steps 16
   echo "== where the time goes (graph replay vs step wall; kernels of an eager step) =="
   timeout 200 python bench/gpu_profile.py --top 14
+  echo "== kernel tiles: sweep, then decode with the winners =="
+  timeout 300 python bench/gpu_tune.py --apply
 else
   python bench/gpu_decode.py --dry-run
   python bench/gpu_moe.py --dry-run --batches 1,4
   python bench/gpu_profile.py --dry-run --cases llama:bf16:1,moe:fp8:4 --top 3
+  python bench/gpu_tune.py --dry-run --apply
 fi

@@ -183,3 +183,13 @@ def test_gpu_profile_dry_run_reports_each_case() -> None:
     heads = [line for line in proc.stdout.splitlines() if line.startswith("== ")]
     assert [h.split()[1] for h in heads] == ["llama:bf16:1", "moe:fp8:4"]
     assert proc.stdout.count(" ms of it") == 2  # the eager step's kernel time against its wall time
+
+
+def test_gpu_tune_dry_run_sweeps_each_kernel_and_measures_with_the_winners() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_tune.py"), "--dry-run", "--apply"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    heads = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("== ")]
+    assert heads == ["== fp8", "== attention", "== moe", "== decode with the winners"]
+    assert proc.stdout.count(" default ") == 3  # each table shows the module's current CONFIG first

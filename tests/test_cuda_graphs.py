@@ -53,6 +53,23 @@ def run_decode(runner: object, steps: int, padded_to: int | None) -> tuple[np.nd
     return np.concatenate(rows), out
 
 
+def test_replay_inputs_are_the_eager_steps_static_inputs() -> None:
+    """What a replay copies in (built without the eager step's gather indices) equals what begin_step builds."""
+    from twinfer.backends.cuda.graphs import STATIC_INPUTS
+
+    runner = build_torch_runner(SPECS["llama"], weights("llama"), kv_tokens=KV_TOKENS, block_size=BLOCK,
+                                kernels="triton", cuda_graphs=False)
+    tbl = tables(3)
+    batch = pad_decode_batch(StepBatch([SeqChunk(i, [9 + i], 5 + 4 * i, tbl[i]) for i in range(3)]), 4,
+                             runner.scratch_block)
+    eager = runner.torch_ops.begin_step(batch, runner.table_width)
+    replay = runner.torch_ops.decode_inputs(batch, runner.table_width)
+    for name in STATIC_INPUTS:
+        want = getattr(eager, name)
+        assert replay[name].dtype == np.dtype(str(want.dtype).removeprefix("torch.")), name
+        assert np.array_equal(replay[name], want.cpu().numpy()), name
+
+
 def test_buckets() -> None:
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48] and decode_buckets(1) == [1]

@@ -138,6 +138,23 @@ class TorchOps:
             rows=up(np.asarray(batch.logit_token_index(), dtype=np.int64)),
         )
 
+    def decode_inputs(self, batch: StepBatch, table_width: int) -> dict[str, np.ndarray]:
+        """What a CUDA-graph replay of a pure decode step reads (graphs.STATIC_INPUTS), built on the host.
+
+        The replay copies these into the graph's own tensors; the gather indices and masks that an
+        eager step also builds ([B, L] KV slots for a 1,024-token context at batch 64: 0.5 MB) are not
+        read by the paged-attention kernel, so they are neither built nor uploaded.
+        """
+        chunks = batch.chunks
+        tables = np.zeros((len(chunks), table_width), dtype=np.int32)
+        for b, c in enumerate(chunks):
+            n = -(-c.end // self.block_size)
+            tables[b, :n] = c.block_table[:n]
+        return {"tokens": np.asarray(batch.token_ids(), dtype=np.int64),
+                "positions": np.asarray([c.start for c in chunks], dtype=np.int64),
+                "slots": np.asarray(batch.slot_mapping(self.block_size), dtype=np.int64),
+                "block_tables": tables, "context_lens": np.asarray([c.end for c in chunks], dtype=np.int32)}
+
     def _decode_kernel_applies(self, batch: StepBatch) -> bool:
         """Pure decode on the triton path, with a head dim the kernel tiles (a power of two)."""
         D = self.spec.head_dim

@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # the decode rows this path takes; larger batches go to the scaled-mm GEMM
-# Tiles and launch shape; bench/gpu_tune.py sweeps them on a GPU and can set them for a run.
-CONFIG = {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
+# Tiles and launch shape: the winners of bench/gpu_tune.py on an H200 (docs/benchmarks.md, "GPU"); it sweeps
+# them on any GPU and can set them for a run.
+CONFIG = {"block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 4, "programs_per_sm": 2}
 
 
 @triton.jit

@@ -44,8 +44,9 @@ def _grouped_gemm(a_ptr, b_ptr, out_ptr, pair_ptr, expert_ptr, weight_ptr, N, K,
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Tiles and warps; bench/gpu_tune.py sweeps them on a GPU and can set them for a run.
-CONFIG = {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 3}
+# Tiles and warps: the winners of bench/gpu_tune.py on an H200 (docs/benchmarks.md, "GPU"); it sweeps them
+# on any GPU and can set them for a run.
+CONFIG = {"block_m": 32, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

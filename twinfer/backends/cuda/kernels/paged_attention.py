@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 MAX_SPLITS = 64
-# Tile and launch shape; bench/gpu_tune.py sweeps them on a GPU and can set them for a run.
-CONFIG = {"block_n": 32, "num_warps": 4, "programs_per_sm": 2}
+# Tile and launch shape: the winners of bench/gpu_tune.py on an H200 (docs/benchmarks.md, "GPU"); it sweeps
+# them on any GPU and can set them for a run.
+CONFIG = {"block_n": 64, "num_warps": 4, "programs_per_sm": 4}
 
 
 @triton.jit
