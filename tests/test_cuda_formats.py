@@ -114,8 +114,14 @@ def test_decode_rows_take_the_fp8_weight_kernel_on_gpu() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096 + 32, 1024, generator=g, device="cuda", dtype=torch.bfloat16) * 0.03
     lin = Fp8Linear.from_weight(w)
-    for rows in (1, 3, 16):
+    for rows in (1, 3, 16, 64):  # 64: past the default max_rows, through the kernel itself
         x = torch.randn(rows, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
+        if rows > 16:
+            from twinfer.backends.cuda.kernels.fp8_gemm import fp8_weight_gemm
+
+            got = fp8_weight_gemm(x, lin.codes, lin.scale)
+            assert (got.float() - x.float() @ lin.dequantize().t()).abs().max() <= 0.01 * got.float().abs().max()
+            continue
         want = x.float() @ lin.dequantize().t()
         assert (lin(x).float() - want).abs().max() <= 0.01 * want.abs().max()  # bf16 output rounding
 

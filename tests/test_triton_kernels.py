@@ -74,7 +74,7 @@ def test_paged_decode_attention_in_half_precision_stays_near_float(dtype: torch.
     assert (got.float().cpu() - want).abs().max() <= 2e-2
 
 
-@pytest.mark.parametrize("rows,splits", [(1, 1), (5, 3), (16, None)])
+@pytest.mark.parametrize("rows,splits", [(1, 1), (5, 3), (16, None), (40, 2)])
 def test_fp8_weight_gemm_matches_the_dequantized_product(rows: int, splits: int | None) -> None:
     """N and K not multiples of the tiles; K split 1 or 3 ways or by the shapes (None)."""
     from twinfer.backends.cuda.formats import Fp8Linear

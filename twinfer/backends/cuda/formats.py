@@ -111,12 +111,13 @@ class Fp8Linear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype (TorchOps.linear calls non-tensor weights this way).
 
-        A decode step's few rows (at most 16) on a capable GPU go to the FP8-weight kernel, which keeps
-        the activations in 16 bits; more rows quantize them per row for `torch._scaled_mm`.
+        A decode step's few rows on a capable GPU go to the FP8-weight kernel (kernels/fp8_gemm.py says
+        how many), which keeps the activations in 16 bits; more rows quantize them per row for
+        `torch._scaled_mm`.
         """
         small = _small_rows_kernel() if fp8_supported(x.device) and x.dim() == 2 else None
-        if small is not None and x.shape[0] <= 16:
-            y = small(x, self.codes, self.scale)
+        if small is not None and small.takes(x.shape[0]):
+            y = small.fp8_weight_gemm(x, self.codes, self.scale)
             return y if bias is None else y + bias
         xq, xs = quantize_rows(x)
         if fp8_supported(x.device) and x.shape[1] % 16 == 0 and self.codes.shape[0] % 16 == 0:
@@ -131,14 +132,15 @@ _SMALL: list[Any] = []
 
 
 def _small_rows_kernel() -> Any:
-    """The triton FP8-weight kernel for decode rows, or None where the triton kernels are off (TWINFER_KERNELS)."""
+    """The triton FP8-weight kernel's module for decode rows, or None where the triton kernels are off
+    (TWINFER_KERNELS)."""
     if not _SMALL:
         from twinfer.backends.cuda.kernels import select_kernels
 
         use = select_kernels(None, "cuda") == "triton"
         if use:
-            from twinfer.backends.cuda.kernels.fp8_gemm import fp8_weight_gemm
-        _SMALL.append(fp8_weight_gemm if use else None)
+            from twinfer.backends.cuda.kernels import fp8_gemm
+        _SMALL.append(fp8_gemm if use else None)
     return _SMALL[0]
 
 

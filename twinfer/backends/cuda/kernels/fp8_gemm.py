@@ -19,10 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # the decode rows this path takes; larger batches go to the scaled-mm GEMM
+MAX_ROWS = 64  # the most rows one tile holds; `takes` says which row counts this path is used for
 # Tiles and launch shape: the winners of bench/gpu_tune.py on an H200 (docs/benchmarks.md, "GPU"); it sweeps
 # them on any GPU and can set them for a run.
-CONFIG = {"block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 4, "programs_per_sm": 2}
+CONFIG = {"block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 4, "programs_per_sm": 2, "max_rows": 16}
+
+
+def takes(rows: int) -> bool:
+    """Whether a product of this many rows goes to this kernel (decode batches up to CONFIG["max_rows"])."""
+    return 0 < rows <= min(CONFIG["max_rows"], MAX_ROWS)
 
 
 @triton.jit
@@ -69,7 +74,7 @@ def k_splits(n_blocks: int, k: int, block_k: int, device: torch.device, programs
 
 def fp8_weight_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block_n: int | None = None,
                     block_k: int | None = None, splits: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ (codes [N, K] float8_e4m3fn * scale [N, 1]).T -> [M, N] in x's dtype."""
+    """x [M, K] (M <= 64) @ (codes [N, K] float8_e4m3fn * scale [N, 1]).T -> [M, N] in x's dtype."""
     M, K = x.shape
     N = codes.shape[0]
     if M > MAX_ROWS:
@@ -81,11 +86,13 @@ def fp8_weight_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, b
     per = triton.cdiv(triton.cdiv(K, S), bk) * bk
     S = triton.cdiv(K, per)  # no empty split
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    block_m = max(16, triton.next_power_of_2(M))
+    stages = CONFIG["num_stages"] if block_m <= 16 else min(3, CONFIG["num_stages"])  # taller x tiles: less smem
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     part = torch.empty((S, M, N), dtype=torch.float32, device=x.device) if S > 1 else out
-    _fp8_weight_gemm[(n_blocks, S)](x, codes, scale, part, M, N, K, per, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk,
+    _fp8_weight_gemm[(n_blocks, S)](x, codes, scale, part, M, N, K, per, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
                                     SPLIT=S > 1, PRECISION=precision, num_warps=CONFIG["num_warps"],
-                                    num_stages=CONFIG["num_stages"])
+                                    num_stages=stages)
     if S > 1:
         _sum_splits[(triton.cdiv(M * N, 1024),)](part, scale, out, M * N, N, S, BLOCK=1024)
     return out
