@@ -67,6 +67,8 @@ def sweep(name: str, module: Any, space: dict[str, list[Any]], cases: list[tuple
             module.CONFIG.update(default)
         score = sum(w * t for (_, w, _, _), t in zip(cases, times, strict=True))
         rows.append((score, {**default, **cfg}, times))
+    if not rows:
+        raise SystemExit(f"gpu_tune: no {name} config ran here (each one's error is above)")
     rows.sort(key=lambda r: r[0])
     base = next(r for r in rows if r[1] == default) if any(r[1] == default for r in rows) else None
     print(f"== {name}: {len(rows)} configs; score = weighted ms; per case ms (TB/s)")
@@ -139,8 +141,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=4)
     ap.add_argument("--json", default=None, help="write the winners and scores here")
     a = ap.parse_args()
-    if a.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.dry_run:  # set before the kernel modules are imported: triton reads it when it decorates them
+        os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
         raise SystemExit("gpu_tune: no CUDA device; use --dry-run to check the script on CPU")
     device = torch.device("cpu" if a.dry_run else "cuda")

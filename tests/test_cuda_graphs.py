@@ -57,8 +57,9 @@ def test_replay_inputs_are_the_eager_steps_static_inputs() -> None:
     """What a replay copies in (built without the eager step's gather indices) equals what begin_step builds."""
     from twinfer.backends.cuda.graphs import STATIC_INPUTS
 
+    device = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
     runner = build_torch_runner(SPECS["llama"], weights("llama"), kv_tokens=KV_TOKENS, block_size=BLOCK,
-                                kernels="triton", cuda_graphs=False)
+                                kernels="triton", cuda_graphs=False, device=device)
     tbl = tables(3)
     batch = pad_decode_batch(StepBatch([SeqChunk(i, [9 + i], 5 + 4 * i, tbl[i]) for i in range(3)]), 4,
                              runner.scratch_block)
