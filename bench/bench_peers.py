@@ -145,17 +145,20 @@ def serve_pair(bin_dir: Path, model: Path, theirs_first: bool = False) -> tuple[
     return a, llama_server(bin_dir, model)
 
 
-def plan_vs_bench() -> list[dict[str, Any]]:
-    """`twinfer plan` (default model, this machine, bandwidth measured once) against `twinfer bench` at
-    the same shape: a 64-token prompt (the bench default) and a 4,096-token one (the plan default)."""
+def plan_vs_bench(model: str | None = None, prompts: tuple[int, ...] = (64, 4096)) -> list[dict[str, Any]]:
+    """`twinfer plan` (this machine, bandwidth measured once) against `twinfer bench` at the same shape:
+    by default the default model at a 64-token prompt (the bench default) and a 4,096-token one (the
+    plan default); `model` (a GGUF path) and `prompts` for another model."""
     hw = json.loads(subprocess.run([sys.executable, "-m", "twinfer.cli.main", "hw", "--measure", "--json"], check=True,
                                    capture_output=True, text=True).stdout)
     rows = []
-    for prompt, context in ((64, 64), (4096, 4096)):  # the plan prices a prompt of `context` tokens
-        plan = json.loads(subprocess.run([sys.executable, "-m", "twinfer.cli.main", "plan", "--context", str(context),
-                                          "--json"], capture_output=True, text=True, check=True).stdout)
+    named = [model] if model else []
+    for prompt in prompts:  # the plan prices a prompt of `context` tokens
+        context = prompt
+        plan = json.loads(subprocess.run([sys.executable, "-m", "twinfer.cli.main", "plan", *named, "--context",
+                                          str(context), "--json"], capture_output=True, text=True, check=True).stdout)
         # a 64-token prefill takes ~0.2 s, so its median needs more requests than the 4,096-token one
-        r = twinfer_cli_bench("-c", "1", "-p", str(prompt), "-o", "64", "--requests-per-client",
+        r = twinfer_cli_bench(*named, "-c", "1", "-p", str(prompt), "-o", "64", "--requests-per-client",
                               "6" if prompt < 1024 else "2")
         rows.append({"prompt_tokens": prompt, "context": context, "kv_format": plan["kv_format"],
                      "predicted_decode_tok_s": plan["predicted"]["decode_tokens_per_s"],
@@ -184,15 +187,20 @@ def main() -> None:
     ap.add_argument("--plan-rounds", type=int, default=1,
                     help="plan-vs-bench comparisons, each with a fresh bandwidth measurement, at the start of "
                          "the first rounds (the median error over them is reported)")
+    ap.add_argument("--plan-model", default=None,
+                    help="plan and bench this GGUF instead of the default model (e.g. bench/make_random_gguf.py's)")
+    ap.add_argument("--plan-prompts", default="64,4096", help="prompt lengths of the plan comparison")
     args = ap.parse_args()
     model = default_model_path()
     parts = set(args.only.split(","))
     out: dict[str, Any] = {"hardware": hardware_info(), "default_threads": default_threads(),
-                           "model": model.name, "llamacpp_amx": amx_verdict()}
+                           "model": model.name, "llamacpp_amx": amx_verdict(),
+                           "plan_model": Path(args.plan_model).name if args.plan_model else model.name}
     plan_rounds: list[list[dict[str, Any]]] = []
     for round_no in range(max(args.rounds, args.plan_rounds if "plan" in parts else 0)):
         if "plan" in parts and round_no < args.plan_rounds:
-            plan_rounds.append(plan_vs_bench())
+            plan_rounds.append(plan_vs_bench(args.plan_model,
+                                             tuple(int(p) for p in args.plan_prompts.split(","))))
         if round_no >= args.rounds:
             continue
         if "single" in parts:

@@ -64,7 +64,11 @@ DEFAULTS: dict[str, Efficiency] = {
     # bandwidth 0.79 -> 0.88 when decode attention moved to its own one-row f32 term (cost.decode_step): over
     # the 20 plan-vs-bench comparisons of ten runs on three hosts the median error is -1%, 3 outside +-20%
     # (docs/planner-accuracy.md, "Decode attention").
-    "llamacpp/cpu": Efficiency(bandwidth=0.88, tensor=0.6, vector=0.35, attention=0.49, overlap_loss=0.25,
+    # bandwidth 0.88 -> 0.82, tensor 0.6 -> 0.5 when unpacking GGUF blocks moved to the int8 rate
+    # (cost._unpack_rate): refitted on the 32 comparisons of twelve runs; a second model, a random 0.85B
+    # Llama in Q4_K_M, went from "dequantization-bound", decode -65%, to -14%..-39% at 64 tokens and
+    # TTFT +4..+9% (docs/planner-accuracy.md, "A second model").
+    "llamacpp/cpu": Efficiency(bandwidth=0.82, tensor=0.5, vector=0.35, attention=0.49, overlap_loss=0.25,
                                layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3),
     "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, attention=0.262, overlap_loss=0.5,
                             layer_cycles=400e3, moe_layer_factor=2.0, step_s=2e-3),

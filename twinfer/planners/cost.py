@@ -90,6 +90,15 @@ def _compute_peak(dev: Device, dtype: str) -> float:
     return dev.tflops(FORMATS[dtype].compute if _native(dev, dtype) else _activation_dtype(dev)) * 1e12
 
 
+def _unpack_rate(dev: Device, engine: str) -> float:
+    """Ops/s of unpacking quantized weights. llama.cpp on a CPU unpacks GGUF blocks inside its integer dot
+    products, on the SIMD lanes of the int8 multiply (`vec_dot_q4_K_q8_K` and kin), so that work runs at
+    the int8 rate; elsewhere a loop expands the weights at the f32 vector rate."""
+    if dev.kind == CPU and engine == "llamacpp" and "int8" in dev.natives:
+        return dev.tflops("int8") * 1e12
+    return dev.vector_tflops * 1e12
+
+
 def _activation_dtype(device: Device) -> str:
     return "bf16" if "bf16" in device.natives else "f16"
 
@@ -164,7 +173,8 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     elems, ops = _dequant_elems(profile, dev, s.mix, touched)
     passes = math.ceil(mb / (4 if dev.kind == CPU else 32))  # weights expanded once per tile of tokens
     kv_ops = 0.0 if kv_native(dev, s.kv) else kv * 8 / s.kv.bits_at(profile.spec.head_dim) * s.kv.dequant_ops
-    dequant_s = (elems / shard * ops * passes + kv_ops) / (dev.vector_tflops * 1e12 * eff.vector)
+    dequant_s = (elems / shard * ops * passes / _unpack_rate(dev, s.engine) + kv_ops / (dev.vector_tflops * 1e12)
+                 ) / eff.vector
     alu = compute_s + dequant_s
     kernel_s = max(memory_s, alu) + eff.overlap_loss * min(memory_s, alu) + attention_s
 
@@ -251,7 +261,7 @@ def prefill_time(profile: ModelProfile, cluster: Cluster, s: Strategy, tokens: i
     memory_s = weights / (dev.bandwidth_gbs * 1e9 * eff.bandwidth)
     elems, ops = _dequant_elems(profile, dev, s.mix, touched)
     tile = 16 if dev.kind == CPU else 64
-    dequant_s = elems / shard * ops * math.ceil(tokens / tile) / (dev.vector_tflops * 1e12 * eff.vector)
+    dequant_s = elems / shard * ops * math.ceil(tokens / tile) / (_unpack_rate(dev, s.engine) * eff.vector)
     chunk = 512 if s.engine == "llamacpp" else 2048
     chunks = math.ceil(tokens / chunk)
     fixed_s = chunks * _fixed_cycles(profile, eff, spec.num_layers) / (dev.clock_ghz * 1e9)
