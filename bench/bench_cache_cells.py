@@ -1,9 +1,9 @@
 """Steady closed-loop traffic in process at two KV-cache sizes, one process per run, alternating.
 
 Each run opens the default model's llama.cpp runner with `--ctx` cells for 16 sequences (the unified
-cache, as `twinfer serve` opens it), warms it, then keeps 16 requests in flight until 64 are done
-(101-token prompts, 64 new tokens each, greedy): arrivals never stop, so the cache's used cells do not
-drain between waves. Prints one JSON line per run (docs/benchmarks.md, "The cache's high-water mark").
+cache, as `twinfer serve` opens it) and runs `twinfer bench`'s closed loop on it (`app.bench.run_bench`:
+a warm-up, then 16 requests in flight until 64 are done, 101-token prompts, 64 new tokens each,
+greedy): arrivals never stop, so the cache's used cells do not drain between waves. Prints one JSON line per run (docs/benchmarks.md, "The cache's high-water mark").
 
     python bench/bench_cache_cells.py --ctx 4096,2560 --rounds 2
 """
@@ -17,16 +17,11 @@ import sys
 
 
 def one(ctx: int) -> dict[str, float]:
-    from twinfer.app.bench import bench_prompts, run_level
+    from twinfer.app.bench import run_bench
     from twinfer.app.session import OpenOptions, open_session
-    from twinfer.runtime.engine import GuardConfig, SamplingParams
 
     session = open_session(OpenOptions(max_seqs=16, ctx=ctx))
-    engine = session.engine(max_seqs=16)
-    engine.generate(bench_prompts(session.opened, 1, 101, 0, "prose"),
-                    SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, guard=GuardConfig(enabled=False))
-    r = run_level(engine, bench_prompts(session.opened, 64, 101, 0, "prose"), 16, params)
+    r = run_bench(session, [16], prompt_tokens=101, output_tokens=64, requests_per_client=4)["results"][0]
     return {"ctx": ctx, "tok_s": r["output_tokens_per_s"], "tpot_p50_ms": r["tpot_p50_s"] * 1e3,
             "ttft_p50_s": r["ttft_p50_s"], "wall_s": r["wall_s"]}
 

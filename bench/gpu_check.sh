@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check for the datacenter target, about 5 minutes on one H200:
+# One GPU check for the datacenter target, about 4 minutes on one H200 (its parts' times; not yet run whole):
 #   1. the CUDA-marked tests (FP8 GEMM, CUDA-graph capture and replay vs eager) and the triton kernels
 #      compiled for the GPU (not interpreted), alone and wired into whole tiny models;
 #   2. decode tokens/s at batch 1 and 64 of a random-weight ~8B Llama in BF16 and FP8 (triton kernels,

@@ -91,18 +91,12 @@ def kernel_table(step: Any, start: int, n: int, device: torch.device, top: int) 
         for i in range(n):
             step(start + i)
         sync(device)
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", None)
-        if t is None:
-            t = getattr(ev, "self_cuda_time_total", 0)
-        if device.type != "cuda":
-            t = ev.self_cpu_time_total
-        if t > 0 and (device.type != "cuda" or ev.device_type.name == "CUDA"):
-            rows.append((ev.key, t / 1e3 / n, ev.count / n))
-    if not rows and device.type == "cuda":  # a profiler that does not tag kernels' device: every timed event
+    if device.type == "cuda":  # the kernels themselves (a CPU op's self device time counts its kernels again)
         rows = [(ev.key, ev.self_device_time_total / 1e3 / n, ev.count / n) for ev in prof.key_averages()
-                if getattr(ev, "self_device_time_total", 0) > 0]
+                if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0]
+    else:
+        rows = [(ev.key, ev.self_cpu_time_total / 1e3 / n, ev.count / n) for ev in prof.key_averages()
+                if ev.self_cpu_time_total > 0]
     rows.sort(key=lambda r: -r[1])
     return sum(r[1] for r in rows), rows[:top]
 

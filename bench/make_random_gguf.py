@@ -39,7 +39,7 @@ def main() -> None:
         raise SystemExit(f"make_random_gguf: {e.name} is missing (pip install torch transformers sentencepiece)") from e
     import llama_cpp
 
-    from tests.gguf_convert import FAMILIES, convert, save_tiny_tokenizer
+    from tests.gguf_convert import convert, save_tiny_tokenizer
 
     out = Path(a.out)
     hf = out / "hf"
@@ -48,7 +48,7 @@ def main() -> None:
                       rope_theta=500000.0, tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.float16).save_pretrained(hf)
-    save_tiny_tokenizer(hf, "deepseek" if "llama" not in FAMILIES else "llama")  # a BPE tokenizer, padded to 32,000
+    save_tiny_tokenizer(hf, "deepseek")  # a byte-level BPE tokenizer; the converter pads its vocab to 32,000
     f16, q4 = out / "llama1b-f16.gguf", out / "llama1b-q4_k_m.gguf"
     convert(hf, f16, outtype="f16")
     params = llama_cpp.llama_model_quantize_default_params()

@@ -12,6 +12,7 @@ the same arithmetic runs in float32, which is also the reference the GPU path is
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,12 +116,13 @@ class Fp8Linear:
         how many), which keeps the activations in 16 bits; more rows quantize them per row for
         `torch._scaled_mm`.
         """
-        small = _small_rows_kernel() if fp8_supported(x.device) and x.dim() == 2 else None
+        native = fp8_supported(x.device)
+        small = _small_rows_kernel() if native and x.dim() == 2 else None
         if small is not None and small.takes(x.shape[0]):
             y = small.fp8_weight_gemm(x, self.codes, self.scale)
             return y if bias is None else y + bias
         xq, xs = quantize_rows(x)
-        if fp8_supported(x.device) and x.shape[1] % 16 == 0 and self.codes.shape[0] % 16 == 0:
+        if native and x.shape[1] % 16 == 0 and self.codes.shape[0] % 16 == 0:
             y = torch._scaled_mm(xq, self.codes.t(), scale_a=xs, scale_b=self.scale.t(), out_dtype=torch.bfloat16)
         else:
             y = fp8_linear_reference(xq, xs, self.codes, self.scale)
@@ -128,20 +130,17 @@ class Fp8Linear:
         return y if bias is None else y + bias
 
 
-_SMALL: list[Any] = []
-
-
+@functools.cache
 def _small_rows_kernel() -> Any:
     """The triton FP8-weight kernel's module for decode rows, or None where the triton kernels are off
-    (TWINFER_KERNELS)."""
-    if not _SMALL:
-        from twinfer.backends.cuda.kernels import select_kernels
+    (TWINFER_KERNELS, read once)."""
+    from twinfer.backends.cuda.kernels import select_kernels
 
-        use = select_kernels(None, "cuda") == "triton"
-        if use:
-            from twinfer.backends.cuda.kernels import fp8_gemm
-        _SMALL.append(fp8_gemm if use else None)
-    return _SMALL[0]
+    if select_kernels(None, "cuda") != "triton":
+        return None
+    from twinfer.backends.cuda.kernels import fp8_gemm
+
+    return fp8_gemm
 
 
 def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:

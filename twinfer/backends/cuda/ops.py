@@ -119,12 +119,8 @@ class TorchOps:
 
         tables = lens = None
         if self._decode_kernel_applies(batch):
-            width = table_width or max(-(-c.end // bs) for c in chunks)
-            block_tables = np.zeros((B, width), dtype=np.int32)
-            for b, c in enumerate(chunks):
-                n = -(-c.end // bs)
-                block_tables[b, :n] = c.block_table[:n]
-            tables, lens = up(block_tables), up(np.asarray([c.end for c in chunks], dtype=np.int32))
+            block_tables, context_lens = self._paged_inputs(batch, table_width)
+            tables, lens = up(block_tables), up(context_lens)
         return TorchStep(
             block_tables=tables,
             context_lens=lens,
@@ -145,15 +141,22 @@ class TorchOps:
         eager step also builds ([B, L] KV slots for a 1,024-token context at batch 64: 0.5 MB) are not
         read by the paged-attention kernel, so they are neither built nor uploaded.
         """
-        chunks = batch.chunks
-        tables = np.zeros((len(chunks), table_width), dtype=np.int32)
-        for b, c in enumerate(chunks):
-            n = -(-c.end // self.block_size)
-            tables[b, :n] = c.block_table[:n]
+        tables, lens = self._paged_inputs(batch, table_width)
         return {"tokens": np.asarray(batch.token_ids(), dtype=np.int64),
-                "positions": np.asarray([c.start for c in chunks], dtype=np.int64),
+                "positions": np.asarray(batch.positions(), dtype=np.int64),
                 "slots": np.asarray(batch.slot_mapping(self.block_size), dtype=np.int64),
-                "block_tables": tables, "context_lens": np.asarray([c.end for c in chunks], dtype=np.int32)}
+                "block_tables": tables, "context_lens": lens}
+
+    def _paged_inputs(self, batch: StepBatch, table_width: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """The paged-attention kernel's block tables [B, width] (int32, 0 where padded; width: the widest
+        sequence's blocks unless given) and context lengths [B] (int32)."""
+        chunks, bs = batch.chunks, self.block_size
+        width = table_width or max(-(-c.end // bs) for c in chunks)
+        tables = np.zeros((len(chunks), width), dtype=np.int32)
+        for b, c in enumerate(chunks):
+            n = -(-c.end // bs)
+            tables[b, :n] = c.block_table[:n]
+        return tables, np.asarray([c.end for c in chunks], dtype=np.int32)
 
     def _decode_kernel_applies(self, batch: StepBatch) -> bool:
         """Pure decode on the triton path, with a head dim the kernel tiles (a power of two)."""

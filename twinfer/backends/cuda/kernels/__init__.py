@@ -12,6 +12,7 @@ environment variable TWINFER_KERNELS overrides "auto".
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from types import SimpleNamespace
@@ -45,6 +46,15 @@ def select_kernels(choice: str | None, device_type: str) -> str:
         raise BackendUnavailable(f"the triton kernels run on CUDA devices, not {device_type!r} "
                                  "(on CPU set TRITON_INTERPRET=1 to interpret them, for tests)")
     return "triton"
+
+
+@functools.cache
+def sm_count(device: Any) -> int:
+    """Streaming multiprocessors of a CUDA device, read once; 4 elsewhere (the interpreter on CPU), so the
+    kernels' launch shapes (programs per SM) are computed the same way in tests."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def load_kernels() -> Any:

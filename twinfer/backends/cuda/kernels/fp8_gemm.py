@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from twinfer.backends.cuda.kernels import sm_count
+
 MAX_ROWS = 64  # the most rows one tile holds; `takes` says which row counts this path is used for
 # max_rows 64: at batch 32 and 64 an 8B model's FP8 decode step took 11.09 and 15.44 ms through this kernel
 # against 14.17 and 17.08 through _scaled_mm on the H200 (docs/benchmarks.md, "GPU")
@@ -70,7 +72,7 @@ def _sum_splits(part_ptr, s_ptr, out_ptr, MN, N, SPLITS, BLOCK: tl.constexpr):
 
 def k_splits(n_blocks: int, k: int, block_k: int, device: torch.device, programs_per_sm: int = 2) -> int:
     """Splits of K that give about `programs_per_sm` programs per SM, each split at least four BLOCK_K runs."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = sm_count(device)
     return max(1, min(-(-programs_per_sm * sms // n_blocks), k // (4 * block_k)))
 
 

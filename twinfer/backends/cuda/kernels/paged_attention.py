@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from twinfer.backends.cuda.kernels import sm_count
+
 MAX_SPLITS = 64
 # Tile and launch shape: the winners of bench/gpu_tune.py on an H200 (docs/benchmarks.md, "GPU"); it sweeps
 # them on any GPU and can set them for a run.
@@ -93,7 +95,7 @@ def _merge_splits(acc_ptr, ml_ptr, out_ptr, SPLITS, D: tl.constexpr, S_PAD: tl.c
 
 def num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
     """Splits per sequence: about `programs_per_sm` programs per SM, no more than the table has BLOCK_N runs."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = sm_count(device)
     want = -(-CONFIG["programs_per_sm"] * sms // (batch * kv_heads))
     return max(1, min(MAX_SPLITS, want, -(-max_tokens // block_n)))
 
