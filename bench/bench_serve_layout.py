@@ -1,7 +1,8 @@
-"""`twinfer serve` with no flag (one unified llama.cpp KV cache all sequences share) and with `--kv-layout
-streams` (a stream of --ctx cells per sequence, llama-server's layout with -np), beside `llama-server
--np 16`, under bench_peers' HTTP traffic (16 clients, ~100-token prompts, 64 streamed tokens, ignore_eos).
-The three go in a rotating order every round; ratios are per round against `llama-server`.
+"""`twinfer serve` with `--kv-layout unified` (one llama.cpp KV cache all sequences share) and with `--kv-layout
+streams` (a stream of --ctx cells per sequence, llama-server's layout with -np; what `auto`, the default,
+takes where 16 streams fit in an eighth of memory), beside `llama-server -np 16`, under bench_peers' HTTP
+traffic (16 clients, ~100-token prompts, 64 streamed tokens, ignore_eos). The three go in a rotating
+order every round; ratios are per round against `llama-server`.
 
     python bench/bench_serve_layout.py --llama-bin /path/to/llama.cpp/build/bin [--rounds 4]
 """
@@ -27,7 +28,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     sides = {
-        "twinfer_serve_defaults": twinfer_serve,
+        "twinfer_serve_unified": lambda: twinfer_serve(flags=("--kv-layout", "unified")),
         "twinfer_serve_streams": lambda: twinfer_serve(flags=("--kv-layout", "streams")),
         "llama_server_np16": lambda: llama_server(args.llama_bin, default_model_path()),
     }

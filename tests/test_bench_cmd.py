@@ -39,7 +39,7 @@ def test_a_bad_step_budget_is_named(args: list[str], message: str) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["serve", "--kv-layout", "paged"], "--kv-layout must be one of unified, streams, got 'paged'"),
+    (["serve", "--kv-layout", "paged"], "--kv-layout must be one of auto, unified, streams, got 'paged'"),
     (["serve", "--kv-layout", "streams", "--memory-budget", "1GB"], "drop --kv-layout streams"),
 ])
 def test_a_bad_kv_layout_is_named(args: list[str], message: str) -> None:
@@ -47,11 +47,34 @@ def test_a_bad_kv_layout_is_named(args: list[str], message: str) -> None:
     assert r.exit_code != 0 and message in str(r.exception)
 
 
-def test_kv_layout_streams_asks_the_runner_for_streams() -> None:
-    from twinfer.cli.serve_cmd import kv_layout_options
+def test_kv_layout_auto_takes_streams_while_they_fit_an_eighth_of_memory() -> None:
+    """Gemma 3 270M (18,432 bytes of KV a token) at serve's 16 x 4,096 tokens: 1.2 GB of streams."""
+    from twinfer.app.models import streams_fit
 
-    assert kv_layout_options("streams", None) == {"unified_kv": False}
-    assert kv_layout_options("unified", None) == {} == kv_layout_options("unified", "1GB")
+    assert streams_fit(18_432, 16, 4096, 16e9)  # a 16 GB laptop: 2 GB for streams
+    assert not streams_fit(18_432, 16, 4096, 8e9)  # an 8 GB one: 1 GB, too little
+    assert not streams_fit(18_432, 1, 4096, 1e12)  # one sequence: a stream is the unified cache
+    assert streams_fit(18_432, 16, 4096, 8 * 16 * 4096 * 18_432)  # the boundary fits
+
+
+@pytest.mark.parametrize("memory_gb, unified", [(16.0, False), (8.0, True)])
+def test_kv_layout_auto_opens_what_the_machine_fits(default_model: Path, tmp_path: Path, monkeypatch,
+                                                     memory_gb: float, unified: bool) -> None:
+    """The session's default layout on a pinned host of each size; an explicit layout is taken as asked."""
+    import os
+
+    from twinfer.app import OpenOptions, open_session
+
+    host = json.loads(Path(os.environ["TWINFER_HOST_FACTS"]).read_text())
+    (tmp_path / "host.json").write_text(json.dumps({**host, "memory_bytes": memory_gb * 1e9}))
+    monkeypatch.setenv("TWINFER_HOST_FACTS", str(tmp_path / "host.json"))
+    for layout, want in (("auto", unified), ("unified", True), ("streams", False)):
+        session = open_session(OpenOptions(str(default_model), "llamacpp", max_seqs=16, ctx=4096, threads=2,
+                                           kv_layout=layout))
+        try:
+            assert session.opened.runner.describe()["unified_kv"] is want, layout
+        finally:
+            session.close()
 
 
 def test_kv_layout_streams_on_a_runner_without_them_is_named(default_model: Path) -> None:

@@ -12,14 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinfer.runtime.errors import BackendUnavailable
+from twinfer.runtime.errors import BackendUnavailable, TwinferError
 from twinfer.runtime.loaders import LoadedModel, load_model
 from twinfer.runtime.model_path import resolve_path
 from twinfer.runtime.runner import Runner
 
 BACKENDS = ("auto", "llamacpp", "torch", "mlx")
+KV_LAYOUTS = ("auto", "unified", "streams")  # llama.cpp's KV cache: auto picks one of the other two
+STREAMS_MEMORY_SHARE = 1 / 8  # auto takes streams while all of them fit in this share of the machine's memory
 _MODULES = {"llamacpp": "llama_cpp", "torch": "torch", "mlx": "mlx"}
-__all__ = ["BACKENDS", "OpenedModel", "available", "choose_backend", "default_context", "open_model", "ops_runner",
+__all__ = ["BACKENDS", "KV_LAYOUTS", "OpenedModel", "available", "choose_backend", "default_context", "open_model", "ops_runner",
            "resolve_path"]
 _EXTRAS = {"llamacpp": "pip install llama-cpp-python", "torch": "pip install 'twinfer[cuda]'",
            "mlx": "pip install 'twinfer[metal]'"}
@@ -75,23 +77,37 @@ def choose_backend(backend: str, path: Path) -> str:
 def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, ctx: int | None = None,
                threads: int | None = None, dtype: str | None = None, device: str | None = None,
                runner_options: dict[str, Any] | None = None,
-               parallel: tuple[int, int, int] | None = None) -> OpenedModel:
+               parallel: tuple[int, int, int] | None = None, kv_layout: str = "unified") -> OpenedModel:
     """Load `model` (None: the default) on `backend` with room for `ctx` KV tokens over `max_seqs` sequences
     (None: `default_context` of the model).
 
     `runner_options` go to the llama.cpp runner's constructor (e.g. `kv_type`, `unified_kv`).
-    `parallel` = (tp, ep, pp) spreads a torch model over that many processes (backends/cuda/parallel)."""
+    `kv_layout` is llama.cpp's cache (`streams_fit` says what "auto" takes); `runner_options["unified_kv"]`
+    overrides it. `parallel` = (tp, ep, pp) spreads a torch model over that many processes (backends/cuda/parallel)."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
+    if kv_layout not in KV_LAYOUTS:
+        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
     path = resolve_path(model)
     backend = choose_backend(backend, path)
+    if kv_layout == "streams" and backend != "llamacpp":
+        raise TwinferError(f"--kv-layout streams is a llama.cpp cache layout; the {backend} runner keeps paged "
+                           "KV blocks that each sequence owns already: drop --kv-layout streams")
     loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk until a runner reads them
     ctx = ctx or default_context(loaded)
     if backend == "llamacpp":
-        from twinfer.backends.llamacpp.runner import LlamaCppRunner
+        from twinfer.backends.llamacpp.runner import KV_TYPE_BYTES, LlamaCppRunner
 
+        options = dict(runner_options or {})
+        if kv_layout != "unified" and "unified_kv" not in options:
+            from twinfer.planners.probe import read_host
+
+            kv_bytes = KV_TYPE_BYTES.get(options.get("kv_type", "f16"), 2.0)
+            streams = kv_layout == "streams" or streams_fit(loaded.spec.kv_bytes_per_token(kv_bytes), max_seqs, ctx,
+                                                            read_host().memory_bytes)
+            options["unified_kv"] = not streams
         runner: Runner = LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec,
-                                        **(runner_options or {}))
+                                        **options)
     elif parallel is not None and parallel != (1, 1, 1):
         if backend != "torch":
             raise BackendUnavailable(f"--tp/--ep/--pp run on the torch backend, not {backend}: add --backend torch")
@@ -101,6 +117,19 @@ def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, 
     else:
         runner = ops_runner(backend, loaded, ctx, threads, dtype, device)
     return OpenedModel(runner, load_tokenizer(path), loaded, path)
+
+
+def streams_fit(kv_bytes_per_token: float, max_seqs: int, ctx: int, memory_bytes: float) -> bool:
+    """Whether `--kv-layout auto` gives llama.cpp a KV stream of `ctx` cells per sequence (llama-server's
+    layout with -np) rather than one cache of `ctx` cells all sequences share.
+
+    Streams cost `max_seqs` times the memory, and they are faster: in a shared cache every row's flash
+    attention walks the cells of all sequences, and llama.cpp cuts a step into ubatches without
+    regard to them (docs/benchmarks.md: 16 streams served 5-6% more tokens a second than one shared
+    cache). So streams whenever all of them fit in `STREAMS_MEMORY_SHARE` of the machine's memory:
+    Gemma 3 270M at 16 x 4,096 tokens needs 1.2 GB, taken on a 16 GB laptop, not on an 8 GB one.
+    """
+    return max_seqs > 1 and max_seqs * ctx * kv_bytes_per_token <= STREAMS_MEMORY_SHARE * memory_bytes
 
 
 def default_context(loaded: LoadedModel) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from twinfer.app.budget import LocalStrategy, open_with_budget
-from twinfer.app.models import OpenedModel, default_context, open_model
+from twinfer.app.models import KV_LAYOUTS, OpenedModel, default_context, open_model
 from twinfer.app.speculate import open_proposer
 from twinfer.runtime.engine import Engine, EngineConfig
 from twinfer.runtime.errors import TwinferError
@@ -38,6 +38,7 @@ class OpenOptions:
     batch_invariant: bool = False  # exact batching: a batched request's text equals it run alone
     hardware: Cluster | None = None  # what a budget is planned on; None: the probed host
     runner_options: dict[str, Any] = field(default_factory=dict)  # extra llama.cpp runner options
+    kv_layout: str = "auto"  # llama.cpp's KV cache: auto, unified or streams (app.models.streams_fit)
 
     def __post_init__(self) -> None:
         if self.max_seqs < 1 or (self.ctx is not None and self.ctx < 16):
@@ -46,6 +47,10 @@ class OpenOptions:
         if self.threads is not None and self.threads < 1:
             raise TwinferError(f"--threads must be at least 1, got {self.threads}")
         parse_speculate(self.speculate)  # a typo fails before anything loads
+        if self.kv_layout not in KV_LAYOUTS:
+            raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout == "streams" and self.memory_budget is not None:
+            raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
 
 
 @dataclass
@@ -89,7 +94,7 @@ def open_session(options: OpenOptions) -> Session:
             # modes (batch-invariant, speculative verification) must rule out
             runner_options.setdefault("repack", True)
         opened = open_model(o.model, o.backend, max_seqs=o.max_seqs, ctx=o.ctx, threads=o.threads,
-                            parallel=o.parallel, runner_options=runner_options or None)
+                            parallel=o.parallel, runner_options=runner_options or None, kv_layout=o.kv_layout)
     assert opened.loaded is not None
     session = Session(opened, None, strategy, o, o.ctx or default_context(opened.loaded))
     try:

@@ -200,12 +200,13 @@ def serve(
     backend: BackendOpt = "auto",
     max_seqs: Annotated[int, typer.Option("--max-seqs", help="Requests computed at once.")] = 16,
     ctx: Annotated[int, typer.Option("--ctx", help="The longest prompt + completion, in tokens; the KV cache holds "
-                                      "this many per sequence (--kv-layout streams) or for all of them (unified).")] = 4096,
+                                      "this many per sequence (KV streams) or for all of them (a unified KV cache; see --kv-layout).")] = 4096,
     threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
         "--threads", help="CPU compute threads (default: the physical cores this process may use).")] = None,
     kv_layout: Annotated[str, typer.Option(
-        "--kv-layout", help="llama.cpp KV cache: 'unified' (--ctx cells shared by all sequences) or 'streams' "
-        "(each sequence its own --ctx cells, llama-server's layout with -np: --max-seqs times the memory).")] = "unified",
+        "--kv-layout", help="llama.cpp KV cache: 'unified' (--ctx cells shared by all sequences), 'streams' "
+        "(each sequence its own --ctx cells, llama-server's layout with -np: --max-seqs times the memory, faster) "
+        "or 'auto' (streams while they fit in an eighth of the machine's memory, else unified).")] = "auto",
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond --max-seqs; past it, 429.")] = 64,
     served_model_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
         "--served-model-name", help="The model name clients send (default: the file or folder name).")] = None,

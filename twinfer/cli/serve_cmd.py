@@ -16,28 +16,25 @@ from typing import Any
 from twinfer.runtime.errors import TwinferError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-KV_LAYOUTS = ("unified", "streams")  # the llama.cpp runner: unified_kv True, False
 
 
-def kv_layout_options(kv_layout: str, memory_budget: str | None, model: str | None = None,
-                      backend: str = "auto") -> dict[str, bool]:
-    """The llama.cpp runner options `--kv-layout` asks for (--batch-invariant takes streams anyway).
+def check_kv_layout(kv_layout: str, memory_budget: str | None, model: str | None = None, backend: str = "auto") -> None:
+    """Refuse a `--kv-layout` that cannot be had before the port is bound (the session would, later).
 
     Streams are a llama.cpp cache layout: on the torch and MLX runners, whose paged KV blocks every
     sequence already owns alone, asking for them is an error rather than a flag silently dropped."""
+    from twinfer.app.models import KV_LAYOUTS, choose_backend, resolve_path
+
     if kv_layout not in KV_LAYOUTS:
         raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    if kv_layout == "unified":
-        return {}
+    if kv_layout != "streams":
+        return
     if memory_budget is not None:
         raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
-    from twinfer.app.models import choose_backend, resolve_path
-
     chosen = choose_backend(backend, resolve_path(model))
     if chosen != "llamacpp":
         raise TwinferError(f"--kv-layout streams is a llama.cpp cache layout; the {chosen} runner keeps paged "
                            "KV blocks that each sequence owns already: drop --kv-layout streams")
-    return {"unified_kv": False}
 
 
 def run_serve(model: str | None, host: str, port: int, api_key: str | None, backend: str, max_seqs: int,
@@ -47,7 +44,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
               batch_invariant: bool = False, kv_events: str | None = None, replica_name: str | None = None,
               kv_connector: tuple[str | None, str] = (None, "127.0.0.1"), max_batch_tokens: int | None = None,
-              kv_layout: str = "unified", batch_wait_ms: float | None = None) -> None:
+              kv_layout: str = "auto", batch_wait_ms: float | None = None) -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.runtime.server import create_app
@@ -57,11 +54,11 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             max_batch_tokens is not None and max_batch_tokens < 1):
         raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0, "
                            "--batch-wait-ms between 0 and 1000 and --max-batch-tokens >= 1")
-    runner_options = kv_layout_options(kv_layout, budget[0], model, backend)
+    check_kv_layout(kv_layout, budget[0], model, backend)
     options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                           parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
                           batch_invariant=batch_invariant,  # a typo in --speculate fails before the port is bound
-                          runner_options=runner_options)
+                          kv_layout=kv_layout)
     if parallel != (1, 1, 1) and int(os.environ.get("RANK", "0")) > 0:  # a torchrun worker: no HTTP server
         from twinfer.app.models import open_model
 
@@ -107,7 +104,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             state.attach(async_engine, opened.tokenizer)
             while not server.started and not server.should_exit:  # print the real port (--port 0)
                 time.sleep(0.05)
-            print(f"twinfer: serving {name!r} ({opened.runner.backend}, context {engine.max_context}) "
+            print(f"twinfer: serving {name!r} ({opened.runner.backend}, context {engine.max_context}{kv_note(opened.runner)}) "
                   f"on http://{host}:{server.port or port}/v1", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - reported as one line after the server stops
             state.load_error = str(e) if isinstance(e, TwinferError) else f"{type(e).__name__}: {e}"
@@ -120,6 +117,16 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
         p.close()
     if state.load_error is not None:
         raise TwinferError(f"could not load the model: {state.load_error}")
+
+
+def kv_note(runner: Any) -> str:
+    """How a llama.cpp runner's KV cache is laid out, for the start-up line ('' for paged runners)."""
+    kv = runner.kv
+    if runner.backend != "llamacpp":
+        return ""
+    if kv.seq_tokens is None:
+        return f", one KV cache of {kv.num_blocks * kv.block_size:,} tokens for {kv.max_seqs} sequences"
+    return f", a KV stream of {kv.seq_tokens:,} tokens for each of {kv.max_seqs} sequences"
 
 
 def model_name(model: str | None) -> str:

@@ -80,11 +80,11 @@ def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
 
 def _context_params(
     lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool, kv_type: str,
-    unified_kv: bool = True,
+    unified_kv: bool = True, n_ubatch: int | None = None,
 ) -> Any:
     params = lib.llama_context_default_params()
     fields = {name for name, _ in type(params)._fields_}
-    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, min(n_ubatch or n_batch, n_batch)
     params.type_k = params.type_v = KV_TYPES[kv_type]
     params.n_seq_max = max_seqs
     params.n_threads = params.n_threads_batch = n_threads
@@ -135,6 +135,13 @@ class LlamaCppRunner(Runner):
     `kv_type` is the cache's element type for K and V (a plan's `kv_format`); quantized types need
     flash attention. Sliding-window layers keep their full history (`swa_full`), so every layer
     holds `n_ctx` cells.
+
+    A step goes to llama.cpp in calls of at most `n_batch` tokens, each computed in ubatches of
+    `n_ubatch` (llama-server's 2,048 and 512, so a step of `step_tokens` is one call). A unified cache
+    cuts a call into consecutive runs of `n_ubatch` tokens, the same rows as calls of `n_ubatch`
+    tokens would hold. Streams cut it evenly across sequences (`split_equal`): sixteen 101-token
+    prompts in one call make four ubatches of 32 tokens from every sequence, where 512-token calls
+    cut prompts apart into more, smaller ubatches.
     """
 
     backend = "llamacpp"
@@ -150,7 +157,8 @@ class LlamaCppRunner(Runner):
         n_ctx: int = 4096,
         max_seqs: int = 16,
         n_threads: int | None = None,
-        n_batch: int = 512,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
         spec: ModelSpec | None = None,
         flash_attn: bool = True,
         repack: bool = False,
@@ -159,10 +167,12 @@ class LlamaCppRunner(Runner):
         verbose: bool = False,
     ):
         self._closed = True  # until everything below exists, close() has nothing to free
-        if n_ctx < BLOCK_SIZE or n_batch < 1 or max_seqs < 1 or (n_threads is not None and n_threads < 1):
+        if (n_ctx < BLOCK_SIZE or n_batch < 1 or n_ubatch < 1 or max_seqs < 1
+                or (n_threads is not None and n_threads < 1)):
             raise ValueError(
-                f"llama.cpp runner: need n_ctx >= {BLOCK_SIZE}, n_batch >= 1, max_seqs >= 1, n_threads >= 1 "
-                f"(got n_ctx={n_ctx}, n_batch={n_batch}, max_seqs={max_seqs}, n_threads={n_threads})"
+                f"llama.cpp runner: need n_ctx >= {BLOCK_SIZE}, n_batch >= 1, n_ubatch >= 1, max_seqs >= 1, "
+                f"n_threads >= 1 (got n_ctx={n_ctx}, n_batch={n_batch}, n_ubatch={n_ubatch}, max_seqs={max_seqs}, "
+                f"n_threads={n_threads})"
             )
         if kv_type not in KV_TYPES:
             raise ValueError(f"llama.cpp runner: kv_type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
@@ -184,7 +194,8 @@ class LlamaCppRunner(Runner):
             self._model = _load_model(lib, self.path, repack)
         self.unified_kv = unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
-        params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv)
+        params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv,
+                                 n_ubatch)
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:
             self._free_model()
@@ -374,6 +385,7 @@ class LlamaCppRunner(Runner):
             "n_threads": self.n_threads,
             "n_ctx": self.n_ctx,
             "n_batch": self._batch.capacity,
+            "n_ubatch": int(lib.llama_n_ubatch(self._ctx)) if not self._closed else None,
             "max_seqs": self.kv.max_seqs,
             "flash_attn": self.flash_attn,
             "repack": self.repack,
