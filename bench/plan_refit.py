@@ -49,6 +49,7 @@ RUNS = [
     ("peers-run-epyc-4efb467.json", "epyc-avx512", None),
     ("peers-run-epyc-da171a6-plan-serve.json", "epyc-avx512", None),
     ("peers-run-epyc-3cbd267.json", "epyc-avx512", None),
+    ("peers-run-epyc-77212ab.json", "epyc-avx512", None),
 ]
 FITTED_ON = 10
 
@@ -59,25 +60,33 @@ def comparisons(name: str) -> list[list[dict]]:
     return data.get("plan_rounds") or [data["plan_vs_bench"]]
 
 
-def predict(host: str, gbs: float, context: int, cal: Calibration) -> tuple[float, float]:
+def predict(host: str, gbs: float, context: int, cal: Calibration, gflops: float | None = None) -> tuple[float, float]:
     vendor, flags, ghz = HOSTS[host]
     facts = probe.HostFacts(system="Linux", machine="x86_64", model=host, vendor=vendor, flags=frozenset(flags),
-                            cpus=2, cores=2, ghz=ghz, memory_bytes=23.5e9, measured_gbs=gbs)
+                            cpus=2, cores=2, ghz=ghz, memory_bytes=23.5e9, measured_gbs=gbs,
+                            measured_gflops=gflops if CLOCK_FROM_GEMM else None)
     predicted = make_plan(resolve(None), probe.probe_cpu(facts), Request(context, 1), cal).to_json()["predicted"]
     return predicted["decode_tokens_per_s"], predicted["ttft_s"]
 
 
+CLOCK_FROM_GEMM = True  # `--reported-clock`: price every run at /proc's clock, as before the measured clock
+
+
 def main() -> None:
-    overrides = {k: float(v) for k, v in (a.split("=", 1) for a in sys.argv[1:])}
+    global CLOCK_FROM_GEMM
+    args = [a for a in sys.argv[1:] if a != "--reported-clock"]
+    CLOCK_FROM_GEMM = len(args) == len(sys.argv) - 1
+    overrides = {k: float(v) for k, v in (a.split("=", 1) for a in args)}
     table = {**DEFAULTS, "llamacpp/cpu": replace(DEFAULTS["llamacpp/cpu"], **overrides)}
     cal = Calibration(tuple(table.items()))
     errors: dict[str, list[tuple[int, float]]] = {"decode": [], "TTFT": []}  # (run index, error)
     for index, (name, host, recorded_gbs) in enumerate(RUNS):
         for rows in comparisons(name):
             gbs = recorded_gbs or rows[0]["hw_measured"]["cpu read bandwidth"]
-            cells = [f"{name}, {gbs:.2f} GB/s"]
+            gflops = rows[0].get("hw_measured", {}).get("cpu f32 gemm")  # recorded from run 10 on
+            cells = [f"{name}, {gbs:.2f} GB/s" + (f", {gflops:.0f} GFLOP/s" if gflops else "")]
             for row in rows:
-                d, t = predict(host, gbs, row["context"], cal)
+                d, t = predict(host, gbs, row["context"], cal, gflops)
                 for label, ours, theirs in (("decode", d, row["measured_decode_tok_s"]),
                                             ("TTFT", t, row["measured_ttft_s"])):
                     errors[label].append((index, ours / theirs - 1))

@@ -80,6 +80,34 @@ def test_measured_bandwidth_is_cached_under_twinfer_cache(tmp_path: Path, monkey
     assert probe._cached()[probe.read_host().key] == 42.0
 
 
+
+def test_a_measured_gemm_above_the_reported_peak_sets_the_clock() -> None:
+    """The 2-core AVX-512 EPYC that reports 2.6 GHz multiplied at 201 GFLOP/s: priced at 3.14 GHz, which
+    shortens its prompts; a GEMM below the reported peak (BLAS under peak, a busy moment) keeps 2.6."""
+    from twinfer.planners.plan import make_plan
+    from twinfer.planners.search import Request
+    from twinfer.planners.source import resolve
+
+    base = probe.HostFacts(system="Linux", machine="x86_64", model="epyc", vendor="AuthenticAMD",
+                           flags=frozenset({"avx2", "fma", "avx512f", "avx512_vnni"}), cpus=2, cores=2, ghz=2.6,
+                           memory_bytes=24e9, measured_gbs=24.7)
+    fast, slow = (probe.HostFacts(**{**base.__dict__, "measured_gflops": g}) for g in (201.0, 107.0))
+    assert probe.probe_cpu(fast).device.clock_ghz == pytest.approx(201 / 64)
+    assert "clock 3.14 GHz from a measured f32 GEMM" in probe.probe_cpu(fast).device.source
+    assert probe.probe_cpu(slow).device.clock_ghz == probe.probe_cpu(base).device.clock_ghz == 2.6
+    ttft = {name: make_plan(resolve(None), probe.probe_cpu(h), Request(4096, 1)).to_json()["predicted"]["ttft_s"]
+            for name, h in (("base", base), ("fast", fast), ("slow", slow))}
+    assert ttft["fast"] < 0.9 * ttft["base"] and ttft["slow"] == ttft["base"]
+
+
+def test_measured_gemm_is_cached_beside_the_bandwidth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWINFER_CACHE", str(tmp_path))
+    monkeypatch.setenv(probe.HOST_ENV, str(HOSTS / "laptop-avx2-2c.json"))
+    key = probe.read_host().key
+    rate = probe.measure_cpu_gemm(n=128, seconds=0.01)
+    assert rate > 0 and probe._cached()[key + ":gemm"] == round(rate, 1)
+
+
 # The planner, budget-planning and CLI tests, each under the two simulated hosts the rest of the suite
 # does not use (the suite itself runs on the laptop), in a child pytest.
 HOST_SENSITIVE = [

@@ -162,6 +162,7 @@ class HostFacts:
     ghz: float  # the clock the probe saw (0 when unknown)
     memory_bytes: float
     measured_gbs: float | None = None  # read bandwidth measured on this machine, from the cache
+    measured_gflops: float | None = None  # f32 GEMM rate measured on this machine (GFLOP/s), from the cache
     apple_chip: str = ""  # "M2 Max" on Apple silicon
     gpu_cores: int = 0  # Apple silicon's GPU cores
 
@@ -231,8 +232,10 @@ def read_host() -> HostFacts:
     host = HostFacts(system=system, machine=machine, model=model, vendor=vendor, flags=frozenset(flags),
                      cpus=cpus, cores=min(default_threads(), cpus), ghz=float(info.get("cpu MHz", 0) or 0) / 1000,
                      memory_bytes=_memory_bytes())
-    measured = _cached().get(host.key)
-    return replace(host, measured_gbs=float(measured)) if measured else host
+    cached = _cached()
+    measured, gemm = cached.get(host.key), cached.get(host.key + ":gemm")
+    return replace(host, measured_gbs=float(measured) if measured else None,
+                   measured_gflops=float(gemm) if gemm else None)
 
 
 def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
@@ -262,19 +265,40 @@ def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
     return "sse", 8, 16
 
 
+def effective_ghz(host: HostFacts, fma: float) -> float:
+    """The clock the cost model prices a core's arithmetic at: the one the probe read (2.5 GHz when it read
+    none), or the faster one a measured f32 GEMM implies (its rate over the cores' f32 FLOPs a cycle).
+
+    A VM's reported clock need not be the one its cores run at: a 2-core AVX-512 EPYC that reports 2.6 GHz
+    multiplies at 195-206 GFLOP/s, above the 166 that clock allows, and its prompts ran faster than priced
+    at 2.6 (docs/planner-accuracy.md, "The measured clock"). A GEMM below the reported clock's peak is not
+    taken for a slower core: numpy's BLAS runs under peak, and a busy moment slows it (one measurement on
+    that EPYC read 107 GFLOP/s while the prompts it was to price ran at their usual speed). x86 only: on
+    Apple silicon numpy's BLAS (Accelerate) multiplies on the matrix coprocessor, not on the cores' NEON
+    units that llama.cpp uses, so its rate says nothing of their clock.
+    """
+    reported = host.ghz or 2.5
+    if host.measured_gflops and host.machine in ("x86_64", "AMD64", "amd64"):
+        return max(reported, host.measured_gflops / (host.cores * fma))
+    return reported
+
+
 def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
     """A machine's CPU as the planner sees it: physical cores, memory, f32 and int8 peaks, read bandwidth.
 
     Without `host`, this machine; its bandwidth is measured once (about a second) and cached when
-    `measure`, since a per-core guess is off by 2x either way. A `host` with no measurement gets the
-    guess (8 GB/s per core), said so in the notes.
+    `measure`, since a per-core guess is off by 2x either way, and so is its f32 GEMM rate (under a second),
+    which may raise the clock (`effective_ghz`); a pinned machine ($TWINFER_HOST_FACTS) keeps the rate
+    its file gives. A `host` with no measurement gets the guess (8 GB/s per core), said so in the notes.
     """
     if host is None:
         host = read_host()
         if host.measured_gbs is None and measure:
             host = replace(host, measured_gbs=measure_cpu_bandwidth())
+        if host.measured_gflops is None and measure and pinned_host() is None:  # a described host is as written
+            host = replace(host, measured_gflops=measure_cpu_gemm())
     isa, fma, int8 = cpu_rates(host)
-    ghz = host.ghz or 2.5
+    ghz = effective_ghz(host, fma)
     f32 = host.cores * ghz * fma / 1000
     measured = host.measured_gbs
     bandwidth = measured if measured else min(8.0 * host.cores, 200.0)
@@ -283,7 +307,8 @@ def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
         memory_gb=round(host.memory_bytes / 1e9, 1), bandwidth_gbs=round(bandwidth, 1), memory_type="ddr",
         interconnect_gbs=0.0, link="none", tensor_tflops=(("f32", f32), ("int8", host.cores * ghz * int8 / 1000)),
         vector_tflops=f32, clock_ghz=ghz, chip=host.model, storage_gbs=2.0, measured=bool(measured),
-        source="measured read bandwidth" if measured else "probed; bandwidth estimated at 8 GB/s per core",
+        source=("measured read bandwidth" if measured else "probed; bandwidth estimated at 8 GB/s per core")
+        + (f"; clock {ghz:.2f} GHz from a measured f32 GEMM" if ghz > (host.ghz or 2.5) else ""),
     )
     note = () if measured else ("CPU bandwidth is an estimate: run `twinfer hw --measure` once to measure it",)
     return Cluster(device, notes=note)
@@ -347,12 +372,11 @@ def measure_cpu_bandwidth(total_mb: int | None = None, seconds: float = 1.0) -> 
 
 def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
     """f32 matrix-multiply rate in GFLOP/s on every usable core (numpy's BLAS, n x n by n x n): the median of
-    about `seconds` of products (at least three). `twinfer hw --measure` reports it.
+    about `seconds` of products (at least three), cached for this CPU beside its bandwidth.
 
-    Reported, not used by the cost model (nor cached) yet: it shows when cores run off the clock /proc reports (a 2-core
-    AVX-512 EPYC VM that reports 2.6 GHz multiplied at 170-200 GFLOP/s, above the 166 its f32 peak at that
-    clock allows), but the `tensor` and `attention` factors were fitted against reported clocks on hosts that
-    were never measured this way (docs/planner-accuracy.md, "Decode attention").
+    The cost model prices arithmetic at the clock this implies (`effective_ghz`): cores may run off the clock
+    /proc reports (a 2-core AVX-512 EPYC VM that reports 2.6 GHz multiplied at 170-206 GFLOP/s, above the
+    166 its f32 peak at that clock allows).
     """
     import numpy as np
 
@@ -366,7 +390,9 @@ def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
         start = time.perf_counter()
         a @ b
         rates.append(2 * n**3 / (time.perf_counter() - start) / 1e9)
-    return float(np.median(rates))
+    measured = float(np.median(rates))
+    _store(read_host().key + ":gemm", round(measured, 1))
+    return measured
 
 
 def measure_gpu_copy_bandwidth(gb: float = 1.0) -> float | None:
