@@ -203,9 +203,12 @@ def main() -> None:
                                              tuple(int(p) for p in args.plan_prompts.split(","))))
         if round_no >= args.rounds:
             continue
-        if "single" in parts:
-            out.setdefault("single", []).append({**twinfer_single(),
-                                                 "llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)})
+        if "single" in parts:  # the two sides swap places every other round, as the HTTP pair does
+            sides = [twinfer_single, lambda: {"llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)}]
+            row: dict[str, Any] = {"twinfer_first": round_no % 2 == 0}
+            for side in sides if round_no % 2 == 0 else sides[::-1]:
+                row.update(side())
+            out.setdefault("single", []).append(row)
         if "batch" in parts:
             ours = twinfer_cli_bench("-c", "16", "-p", "64", "-o", "64")["output_tokens_per_s"]
             out.setdefault("batch", []).append({"twinfer_bench_c16_tok_s": ours,
