@@ -2,7 +2,7 @@
 plan-vs-bench comparison (docs/data), recomputed with the current cost model (docs/planner-accuracy.md,
 "Decode attention").
 
-    python bench/plan_refit.py [bandwidth=0.82 tensor=0.5 ...]
+    python bench/plan_refit.py [--reported-clock] [bandwidth=0.82 tensor=0.5 ...]
 
 Each comparison is replayed on a pinned description of its host (cores, clock, ISA flags) at the read
 bandwidth it measured (`hw_measured`, recorded from run 10 on); for earlier runs, the bandwidth their
@@ -63,19 +63,14 @@ def comparisons(name: str) -> list[list[dict]]:
 def predict(host: str, gbs: float, context: int, cal: Calibration, gflops: float | None = None) -> tuple[float, float]:
     vendor, flags, ghz = HOSTS[host]
     facts = probe.HostFacts(system="Linux", machine="x86_64", model=host, vendor=vendor, flags=frozenset(flags),
-                            cpus=2, cores=2, ghz=ghz, memory_bytes=23.5e9, measured_gbs=gbs,
-                            measured_gflops=gflops if CLOCK_FROM_GEMM else None)
+                            cpus=2, cores=2, ghz=ghz, memory_bytes=23.5e9, measured_gbs=gbs, measured_gflops=gflops)
     predicted = make_plan(resolve(None), probe.probe_cpu(facts), Request(context, 1), cal).to_json()["predicted"]
     return predicted["decode_tokens_per_s"], predicted["ttft_s"]
 
 
-CLOCK_FROM_GEMM = True  # `--reported-clock`: price every run at /proc's clock, as before the measured clock
-
-
 def main() -> None:
-    global CLOCK_FROM_GEMM
     args = [a for a in sys.argv[1:] if a != "--reported-clock"]
-    CLOCK_FROM_GEMM = len(args) == len(sys.argv) - 1
+    reported_clock = len(args) < len(sys.argv) - 1  # price every run at /proc's clock, as before the measured clock
     overrides = {k: float(v) for k, v in (a.split("=", 1) for a in args)}
     table = {**DEFAULTS, "llamacpp/cpu": replace(DEFAULTS["llamacpp/cpu"], **overrides)}
     cal = Calibration(tuple(table.items()))
@@ -83,7 +78,7 @@ def main() -> None:
     for index, (name, host, recorded_gbs) in enumerate(RUNS):
         for rows in comparisons(name):
             gbs = recorded_gbs or rows[0]["hw_measured"]["cpu read bandwidth"]
-            gflops = rows[0].get("hw_measured", {}).get("cpu f32 gemm")  # recorded from run 10 on
+            gflops = None if reported_clock else rows[0].get("hw_measured", {}).get("cpu f32 gemm")  # from run 10 on
             cells = [f"{name}, {gbs:.2f} GB/s" + (f", {gflops:.0f} GFLOP/s" if gflops else "")]
             for row in rows:
                 d, t = predict(host, gbs, row["context"], cal, gflops)

@@ -57,10 +57,13 @@ def test_kv_layout_auto_takes_streams_while_they_fit_an_eighth_of_memory() -> No
     assert streams_fit(18_432, 16, 4096, 8 * 16 * 4096 * 18_432)  # the boundary fits
 
 
-@pytest.mark.parametrize("memory_gb, unified", [(16.0, False), (8.0, True)])
+@pytest.mark.parametrize("memory_gb, layouts", [
+    (16.0, {"auto": False, "unified": True, "streams": False}),  # an explicit layout is taken as asked
+    (8.0, {"auto": True}),
+])
 def test_kv_layout_auto_opens_what_the_machine_fits(default_model: Path, tmp_path: Path, monkeypatch,
-                                                     memory_gb: float, unified: bool) -> None:
-    """The session's default layout on a pinned host of each size; an explicit layout is taken as asked."""
+                                                     memory_gb: float, layouts: dict[str, bool]) -> None:
+    """The session's layout (describe()'s unified_kv) on a pinned host of each size."""
     import os
 
     from twinfer.app import OpenOptions, open_session
@@ -68,7 +71,7 @@ def test_kv_layout_auto_opens_what_the_machine_fits(default_model: Path, tmp_pat
     host = json.loads(Path(os.environ["TWINFER_HOST_FACTS"]).read_text())
     (tmp_path / "host.json").write_text(json.dumps({**host, "memory_bytes": memory_gb * 1e9}))
     monkeypatch.setenv("TWINFER_HOST_FACTS", str(tmp_path / "host.json"))
-    for layout, want in (("auto", unified), ("unified", True), ("streams", False)):
+    for layout, want in layouts.items():
         session = open_session(OpenOptions(str(default_model), "llamacpp", max_seqs=16, ctx=4096, threads=2,
                                            kv_layout=layout))
         try:

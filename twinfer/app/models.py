@@ -21,8 +21,8 @@ BACKENDS = ("auto", "llamacpp", "torch", "mlx")
 KV_LAYOUTS = ("auto", "unified", "streams")  # llama.cpp's KV cache: auto picks one of the other two
 STREAMS_MEMORY_SHARE = 1 / 8  # auto takes streams while all of them fit in this share of the machine's memory
 _MODULES = {"llamacpp": "llama_cpp", "torch": "torch", "mlx": "mlx"}
-__all__ = ["BACKENDS", "KV_LAYOUTS", "OpenedModel", "available", "choose_backend", "default_context", "open_model", "ops_runner",
-           "resolve_path"]
+__all__ = ["BACKENDS", "KV_LAYOUTS", "OpenedModel", "available", "check_kv_layout", "choose_backend",
+           "default_context", "open_model", "ops_runner", "resolve_path"]
 _EXTRAS = {"llamacpp": "pip install llama-cpp-python", "torch": "pip install 'twinfer[cuda]'",
            "mlx": "pip install 'twinfer[metal]'"}
 
@@ -86,13 +86,10 @@ def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, 
     overrides it. `parallel` = (tp, ep, pp) spreads a torch model over that many processes (backends/cuda/parallel)."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
-    if kv_layout not in KV_LAYOUTS:
-        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
     path = resolve_path(model)
     backend = choose_backend(backend, path)
-    if kv_layout == "streams" and backend != "llamacpp":
-        raise TwinferError(f"--kv-layout streams is a llama.cpp cache layout; the {backend} runner keeps paged "
-                           "KV blocks that each sequence owns already: drop --kv-layout streams")
+    if kv_layout != "unified":  # the default for callers that never ask; sessions checked theirs already
+        check_kv_layout(kv_layout, str(path), backend)
     loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk until a runner reads them
     ctx = ctx or default_context(loaded)
     if backend == "llamacpp":
@@ -119,14 +116,30 @@ def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, 
     return OpenedModel(runner, load_tokenizer(path), loaded, path)
 
 
+def check_kv_layout(kv_layout: str, model: str | None, backend: str, memory_budget: str | None = None) -> None:
+    """Refuse a `--kv-layout` that cannot be had. Streams are a llama.cpp cache layout: on the torch and MLX
+    runners, whose paged KV blocks every sequence already owns alone, asking for them is an error rather
+    than a flag silently dropped; a memory budget plans one shared cache."""
+    if kv_layout not in KV_LAYOUTS:
+        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    if kv_layout != "streams":
+        return
+    if memory_budget is not None:
+        raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
+    chosen = choose_backend(backend, resolve_path(model))
+    if chosen != "llamacpp":
+        raise TwinferError(f"--kv-layout streams is a llama.cpp cache layout; the {chosen} runner keeps paged "
+                           "KV blocks that each sequence owns already: drop --kv-layout streams")
+
+
 def streams_fit(kv_bytes_per_token: float, max_seqs: int, ctx: int, memory_bytes: float) -> bool:
     """Whether `--kv-layout auto` gives llama.cpp a KV stream of `ctx` cells per sequence (llama-server's
     layout with -np) rather than one cache of `ctx` cells all sequences share.
 
     Streams cost `max_seqs` times the memory, and they are faster: in a shared cache every row's flash
     attention walks the cells of all sequences, and llama.cpp cuts a step into ubatches without
-    regard to them (docs/benchmarks.md: 16 streams served 5-6% more tokens a second than one shared
-    cache). So streams whenever all of them fit in `STREAMS_MEMORY_SHARE` of the machine's memory:
+    regard to them (docs/benchmarks.md: over HTTP, 16 streams served a median 1.07x the tokens a second
+    of one shared cache, in six rounds). So streams whenever all of them fit in `STREAMS_MEMORY_SHARE` of the machine's memory:
     Gemma 3 270M at 16 x 4,096 tokens needs 1.2 GB, taken on a 16 GB laptop, not on an 8 GB one.
     """
     return max_seqs > 1 and max_seqs * ctx * kv_bytes_per_token <= STREAMS_MEMORY_SHARE * memory_bytes

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from twinfer.app.budget import LocalStrategy, open_with_budget
-from twinfer.app.models import KV_LAYOUTS, OpenedModel, default_context, open_model
+from twinfer.app.models import OpenedModel, check_kv_layout, default_context, open_model
 from twinfer.app.speculate import open_proposer
 from twinfer.runtime.engine import Engine, EngineConfig
 from twinfer.runtime.errors import TwinferError
@@ -47,10 +47,7 @@ class OpenOptions:
         if self.threads is not None and self.threads < 1:
             raise TwinferError(f"--threads must be at least 1, got {self.threads}")
         parse_speculate(self.speculate)  # a typo fails before anything loads
-        if self.kv_layout not in KV_LAYOUTS:
-            raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
-        if self.kv_layout == "streams" and self.memory_budget is not None:
-            raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
+        check_kv_layout(self.kv_layout, self.model, self.backend, self.memory_budget)
 
 
 @dataclass

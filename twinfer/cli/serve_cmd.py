@@ -18,25 +18,6 @@ from twinfer.runtime.errors import TwinferError
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def check_kv_layout(kv_layout: str, memory_budget: str | None, model: str | None = None, backend: str = "auto") -> None:
-    """Refuse a `--kv-layout` that cannot be had before the port is bound (the session would, later).
-
-    Streams are a llama.cpp cache layout: on the torch and MLX runners, whose paged KV blocks every
-    sequence already owns alone, asking for them is an error rather than a flag silently dropped."""
-    from twinfer.app.models import KV_LAYOUTS, choose_backend, resolve_path
-
-    if kv_layout not in KV_LAYOUTS:
-        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    if kv_layout != "streams":
-        return
-    if memory_budget is not None:
-        raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
-    chosen = choose_backend(backend, resolve_path(model))
-    if chosen != "llamacpp":
-        raise TwinferError(f"--kv-layout streams is a llama.cpp cache layout; the {chosen} runner keeps paged "
-                           "KV blocks that each sequence owns already: drop --kv-layout streams")
-
-
 def run_serve(model: str | None, host: str, port: int, api_key: str | None, backend: str, max_seqs: int,
               ctx: int, threads: int | None, max_queue: int, served_model_name: str | None,
               drain_timeout: float, max_body_mb: float, log_level: str, loop_guard: bool = True,
@@ -54,11 +35,10 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
             max_batch_tokens is not None and max_batch_tokens < 1):
         raise TwinferError("--max-seqs must be >= 1, --ctx >= 16, --max-queue >= 0, --max-body-mb > 0, "
                            "--batch-wait-ms between 0 and 1000 and --max-batch-tokens >= 1")
-    check_kv_layout(kv_layout, budget[0], model, backend)
     options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                           parallel=parallel, memory_budget=budget[0], allow_pruning=budget[1],
-                          batch_invariant=batch_invariant,  # a typo in --speculate fails before the port is bound
-                          kv_layout=kv_layout)
+                          batch_invariant=batch_invariant,  # a typo in --speculate or --kv-layout fails
+                          kv_layout=kv_layout)  # before the port is bound
     if parallel != (1, 1, 1) and int(os.environ.get("RANK", "0")) > 0:  # a torchrun worker: no HTTP server
         from twinfer.app.models import open_model
 
@@ -125,7 +105,7 @@ def kv_note(runner: Any) -> str:
     if runner.backend != "llamacpp":
         return ""
     if kv.seq_tokens is None:
-        return f", one KV cache of {kv.num_blocks * kv.block_size:,} tokens for {kv.max_seqs} sequences"
+        return f", one KV cache of {kv.capacity_tokens:,} tokens for {kv.max_seqs} sequences"
     return f", a KV stream of {kv.seq_tokens:,} tokens for each of {kv.max_seqs} sequences"
 
 

@@ -80,11 +80,11 @@ def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
 
 def _context_params(
     lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool, kv_type: str,
-    unified_kv: bool = True, n_ubatch: int | None = None,
+    unified_kv: bool, n_ubatch: int,
 ) -> Any:
     params = lib.llama_context_default_params()
     fields = {name for name, _ in type(params)._fields_}
-    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, min(n_ubatch or n_batch, n_batch)
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, min(n_ubatch, n_batch)
     params.type_k = params.type_v = KV_TYPES[kv_type]
     params.n_seq_max = max_seqs
     params.n_threads = params.n_threads_batch = n_threads
