@@ -39,7 +39,9 @@ class SeqChunk:
 
     @property
     def logit_rows(self) -> int:
-        return {LogitsWanted.NONE: 0, LogitsWanted.LAST: 1, LogitsWanted.ALL: len(self.tokens)}[self.logits]
+        if self.logits is LogitsWanted.LAST:
+            return 1
+        return len(self.tokens) if self.logits is LogitsWanted.ALL else 0
 
 
 @dataclass

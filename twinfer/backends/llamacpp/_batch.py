@@ -69,18 +69,29 @@ class BatchBuffer:
 
     def fill(self, chunks: list[SeqChunk], pieces: list[Piece], slots: list[int]) -> int:
         """Write one window; `slots[i]` is chunk i's llama seq id. Returns the number of output rows."""
-        n = 0
+        n = n_out = 0
         for p in pieces:
-            chunk, m = chunks[p.chunk], p.b - p.a
+            chunk, m, seq = chunks[p.chunk], p.b - p.a, slots[p.chunk]
+            if m == 1:  # a decode row: scalar writes (a step of them runs between two llama_decode calls)
+                wanted = chunk.logits is LogitsWanted.ALL or (
+                    chunk.logits is LogitsWanted.LAST and p.b == len(chunk.tokens))
+                self._token[n] = chunk.tokens[p.a]
+                self._pos[n] = chunk.start + p.a
+                self._logits[n] = wanted
+                self._seq_rows[n][0] = seq
+                n_out += wanted
+                n += 1
+                continue
+            flags = output_flags(chunk, p.a, p.b)
             self._token[n : n + m] = chunk.tokens[p.a : p.b]
             self._pos[n : n + m] = np.arange(chunk.start + p.a, chunk.start + p.b, dtype=np.int32)
-            self._logits[n : n + m] = output_flags(chunk, p.a, p.b)
-            seq = slots[p.chunk]
+            self._logits[n : n + m] = flags
             for row in self._seq_rows[n : n + m]:
                 row[0] = seq
+            n_out += int(np.count_nonzero(flags))
             n += m
         self.raw.n_tokens = n
-        return int(self._logits[:n].sum())
+        return n_out
 
     def free(self) -> None:
         if self.raw is not None:

@@ -6,6 +6,7 @@ on a handle from `llama_get_memory`); `MemoryOps` hides which one the installed 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from collections.abc import Callable
@@ -30,6 +31,18 @@ def load_llama_cpp() -> ModuleType:
     guard_amx()  # before llama.cpp places any weight: its AMX kernels crash in some builds
     lib.llama_backend_init()
     return lib
+
+
+def address_function(lib: ModuleType, name: str) -> Callable[[Any], int | None]:
+    """`lib.<name>(ctx)` for a function returning a pointer, giving the address as an int (None for
+    NULL). A prototype of its own over the same symbol, so llama-cpp-python's function object keeps its
+    restype; without that library handle, the pointer it returns is cast."""
+    dll = getattr(lib, "_lib", None)
+    if dll is not None:
+        with contextlib.suppress(AttributeError, TypeError):
+            return ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)((name, dll))  # type: ignore[no-any-return]
+    typed = getattr(lib, name)
+    return lambda ctx: ctypes.cast(typed(ctx), ctypes.c_void_p).value
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
-from twinfer.backends.llamacpp._lib import MemoryOps, load_llama_cpp, set_quiet, versions
+from twinfer.backends.llamacpp._lib import MemoryOps, address_function, load_llama_cpp, set_quiet, versions
 from twinfer.backends.llamacpp.amx import guard_amx, quiet_amx_notice
 from twinfer.backends.llamacpp.kv_port import LlamaCppKVPort
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
@@ -221,6 +221,9 @@ class LlamaCppRunner(Runner):
             seq_tokens=seq_tokens, copies_prefix=not unified_kv,
         )
         self._slots: dict[int, int] = {}  # engine seq id -> llama seq id
+        self._logits_address = address_function(lib, "llama_get_logits")
+        self._logits_key: tuple[int | None, int] | None = None  # (address, rows) of `_logits_view`
+        self._logits_view = np.empty((0, self.n_vocab), np.float32)
         self._free_slots = list(range(max_seqs))  # a heap: the lowest free id first, so streams stay consecutive
         self.traffic = self._traffic()
         self.kv_port = LlamaCppKVPort(self)
@@ -287,12 +290,25 @@ class LlamaCppRunner(Runner):
             if not n_out:
                 continue
             # Output rows are contiguous in batch order (llama.cpp undoes its ubatch reordering).
-            rows = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+            rows = self._logits_rows(n_out)
             if out is None:
                 return rows
             out[row : row + n_out] = rows
             row += n_out
         return out if out is not None else np.empty((0, self.n_vocab), np.float32)
+
+    def _logits_rows(self, n_out: int) -> np.ndarray:
+        """llama.cpp's logits buffer as [n_out, n_vocab] float32, not copied. The view is kept while the
+        buffer's address and the row count stay: numpy builds a ctypes array type for every new view,
+        and at one token a step that cost as much as the sampler."""
+        key = (self._logits_address(self._ctx), n_out)
+        if key != self._logits_key:
+            if not key[0]:
+                raise DecodeError("llama.cpp returned no logits buffer after a decode that asked for logits", -1)
+            ptr = ctypes.cast(key[0], ctypes.POINTER(ctypes.c_float))
+            self._logits_view = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+            self._logits_key = key
+        return self._logits_view
 
     def release(self, seq_id: int) -> None:
         """Drop the sequence's KV and give its llama seq slot back (unknown ids: nothing to do)."""

@@ -146,7 +146,7 @@ def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
     guided = [(i, r.guide) for i, r in enumerate(rows) if r.guide is not None]
     masks = dict(zip([i for i, _ in guided], row_masks([g for _, g in guided], logits.shape[-1]), strict=True)
                  ) if guided else {}
-    greedy_ids = np.argmax(logits, axis=-1)
+    greedy_ids = logits.argmax(axis=-1)
     out: list[Sampled] = []
     for i, row in enumerate(rows):
         x = logits[i]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from twinfer.runtime.batch import StepBatch
@@ -47,12 +48,20 @@ class StepTraffic:
     def kv_bytes_per_token(self) -> float:
         return float(sum(self.kv_layer_bytes))
 
+    @cached_property
+    def _kv_groups(self) -> tuple[tuple[int | None, float], ...]:
+        """The layers' KV bytes per position summed per sliding window (None: full attention), so a
+        step's arithmetic runs once per window size rather than once per layer."""
+        groups: dict[int | None, float] = {}
+        for per_pos, window in zip(self.kv_layer_bytes, self.windows, strict=True):
+            groups[window] = groups.get(window, 0.0) + per_pos
+        return tuple(groups.items())
+
     def kv_read(self, end: int, new: int) -> float:
         """KV bytes a chunk of `new` tokens ending at position `end` reads (each layer's context once)."""
         total = 0.0
-        for per_pos, window in zip(self.kv_layer_bytes, self.windows, strict=True):
-            positions = end if window is None else min(end, window + new - 1)
-            total += per_pos * positions
+        for window, per_pos in self._kv_groups:
+            total += per_pos * (end if window is None else min(end, window + new - 1))
         return total
 
     def step(self, batch: StepBatch) -> StepBytes:

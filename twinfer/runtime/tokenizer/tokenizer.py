@@ -47,6 +47,7 @@ class Tokenizer:
         self._special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._byte_ids, self._byte_values = _byte_fallback_tokens(backend)
+        self._single: dict[tuple[int, bool], str] = {}  # decode() of one id: at most two per vocabulary id
 
     # --- construction -------------------------------------------------------------------------------
 
@@ -133,7 +134,15 @@ class Tokenizer:
         Invalid UTF-8 from byte tokens becomes U+FFFD per maximal invalid subsequence (Python's and
         llama.cpp's behaviour), so a valid character next to stray bytes survives.
         """
-        ids = list(ids)
+        if len(ids) == 1:  # the stream decoder's window after every emission: one token, kept per id
+            key = (ids[0], skip_special_tokens)
+            text = self._single.get(key)
+            if text is None:
+                text = self._single[key] = self._decode_ids(list(ids), skip_special_tokens)
+            return text
+        return self._decode_ids(list(ids), skip_special_tokens)
+
+    def _decode_ids(self, ids: list[int], skip_special_tokens: bool) -> str:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special]
         if self._byte_values:
