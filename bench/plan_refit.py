@@ -50,6 +50,9 @@ RUNS = [
     ("peers-run-epyc-da171a6-plan-serve.json", "epyc-avx512", None),
     ("peers-run-epyc-3cbd267.json", "epyc-avx512", None),
     ("peers-run-epyc-77212ab.json", "epyc-avx512", None),
+    ("peers-run-epyc-8adb2e3.json", "epyc-avx512", None),
+    ("peers-run-epyc-rotated-full.json", "epyc-avx512", None),
+    ("peers-run-epyc-78b0b83.json", "epyc-avx512", None),
 ]
 FITTED_ON = 10
 

@@ -36,6 +36,10 @@ class Efficiency:
     collective_s: float = 10e-6  # latency of one all-reduce / all-to-all inside a node
     hop_s: float = 20e-6  # latency of one pipeline hop between nodes
     dual_die: float = 0.85  # bandwidth factor on two-die packages (Apple Ultra)
+    # CPU only: weight bytes a core's matmul kernels stream per cycle at one row (decode), for formats
+    # llama.cpp leaves as stored and for those it repacks on this ISA (Device.repacks); 0: no such bound
+    stream_plain: float = 0.0
+    stream_repacked: float = 0.0
 
 
 # (engine, device class) -> factors. Device classes: "hbm" and "gddr" GPUs (LPDDR GPUs count as
@@ -68,8 +72,13 @@ DEFAULTS: dict[str, Efficiency] = {
     # (cost._unpack_rate): refitted on the 32 comparisons of twelve runs; a second model, a random 0.85B
     # Llama in Q4_K_M, went from "dequantization-bound", decode -65%, to -14%..-39% at 64 tokens and
     # TTFT +4..+9% (docs/planner-accuracy.md, "A second model").
+    # stream_plain / stream_repacked: the bytes a core's kernels stream per cycle in decode (cost._kernel_stream_s),
+    # fitted on the 2-core AVX-512 EPYC, where DRAM read 20-43 GB/s and decode followed the kernels: Gemma 3
+    # 270M's Q8_0/Q5_0 weights at about 3 bytes a cycle a core; the 1B Q4_K model's repacked weights at least
+    # 8 once its Q6_K runs at 3, so that bound does not bind there (docs/planner-accuracy.md, "Kernels, not DRAM")
     "llamacpp/cpu": Efficiency(bandwidth=0.82, tensor=0.5, vector=0.35, attention=0.49, overlap_loss=0.25,
-                               layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3),
+                               layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3, stream_plain=3.0,
+                               stream_repacked=8.0),
     "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, attention=0.262, overlap_loss=0.5,
                             layer_cycles=400e3, moe_layer_factor=2.0, step_s=2e-3),
     # vLLM/SGLang-class serving (CUDA graphs, fused MoE): Llama-3.1-8B BF16 on A100 and H100 fit

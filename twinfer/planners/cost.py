@@ -60,10 +60,12 @@ class StepTime:
     fixed_s: float
     comm_s: float
     stream_s: float
+    kernel_gbs: float = 0.0  # the CPU kernels' weight-streaming rate when it, not the memory, set memory_s
 
     @property
     def bound(self) -> str:
-        parts = {"memory bandwidth": self.memory_s, "compute": self.compute_s, "dequantization": self.dequant_s,
+        memory = "kernel streaming" if self.kernel_gbs else "memory bandwidth"
+        parts = {memory: self.memory_s, "compute": self.compute_s, "dequantization": self.dequant_s,
                  "per-layer overhead": self.fixed_s, "interconnect": self.comm_s, "expert streaming": self.stream_s}
         return max(parts, key=lambda k: parts[k])
 
@@ -138,6 +140,30 @@ def _dequant_elems(profile: ModelProfile, device: Device, mix: Mix, touched: flo
     return elems, (ops / elems if elems else 0.0)
 
 
+def _kernel_stream_s(profile: ModelProfile, dev: Device, eff: Efficiency, mix: Mix, touched: float) -> float:
+    """Seconds a CPU's matmul kernels take to stream the weights one decode step touches, one row: they
+    read a format llama.cpp repacks (`Device.repacks`) at `stream_repacked` bytes a cycle a core, the rest
+    at `stream_plain`. On a host whose DRAM outruns them (a 2-core Zen 4 VM read 27-35 GB/s while its
+    llama.cpp decode streamed Gemma 3's Q8_0 head at about 19), this, not the bandwidth, sets decode."""
+    if dev.kind != CPU or not dev.cores or not eff.stream_plain:
+        return 0.0
+    plain = repacked = 0.0
+    for comp in COMPONENTS:
+        if comp == "embed" and not profile.tied:
+            continue  # an untied table: a step reads its rows only
+        share = touched / profile.moe.num_experts if comp in ("experts", "experts_down") and profile.moe else 1.0
+        parts = [(f, w * FORMATS[f].bits) for f, w in profile.split(mix, comp)]
+        total = sum(w for _, w in parts) or 1.0
+        for fname, weight in parts:
+            nbytes = profile.bytes_of(mix, comp) * share * weight / total
+            if fname in dev.repacks:
+                repacked += nbytes
+            else:
+                plain += nbytes
+    cycles = plain / eff.stream_plain + repacked / (eff.stream_repacked or eff.stream_plain)
+    return cycles / (dev.cores * dev.clock_ghz * 1e9)
+
+
 def _fixed_cycles(profile: ModelProfile, eff: Efficiency, layers: float) -> float:
     moe_share = profile.moe_layers / profile.spec.num_layers
     return layers * eff.layer_cycles * (1 + moe_share * (eff.moe_layer_factor - 1))
@@ -160,7 +186,11 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     streamed = experts * s.stream_fraction
     kv = mb * kv_bytes_per_seq(profile, s.kv, context) / kv_shard(profile, s)
     bw = dev.bandwidth_gbs * 1e9 * eff.bandwidth * (eff.dual_die if dev.dies > 1 else 1.0)
-    memory_s = (dense + experts - streamed + kv) / bw
+    # weights stream at the slower of the memory and the kernels that read them (CPU: cores x clock)
+    dram_s = (dense + experts - streamed) / bw
+    kernel_s = _kernel_stream_s(profile, dev, eff, s.mix, touched) / shard
+    memory_s = max(dram_s, kernel_s) + kv / bw
+    kernel_gbs = (dense + experts) / kernel_s / 1e9 if kernel_s > dram_s else 0.0
 
     attention = mb * profile.attention_flops_per_token(context) / shard
     # llama.cpp on a CPU attends in a separate op on its one-row f32 path, after the matmuls, not inside them
@@ -191,7 +221,7 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     latency = s.pp * stage_s + (s.pp - 1) * hop_s + eff.step_s
     return StepTime(
         latency_s=latency, tokens_per_s=batch / latency, memory_s=memory_s, compute_s=compute_s + attention_s,
-        dequant_s=dequant_s, fixed_s=fixed_s + eff.step_s, comm_s=comm_s, stream_s=stream_s,
+        dequant_s=dequant_s, fixed_s=fixed_s + eff.step_s, comm_s=comm_s, stream_s=stream_s, kernel_gbs=kernel_gbs,
     )
 
 

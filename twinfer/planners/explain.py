@@ -117,9 +117,14 @@ def _window_note(c: Candidate, request: Request) -> str:
 def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request: Request,
             cal: Calibration) -> tuple[list[str], list[str]]:
     s, mem, single = c.strategy, c.memory, c.single
+    traffic = f"at {cluster.device.bandwidth_gbs:g} GB/s"
+    if single.kernel_gbs:
+        traffic = (f"with the weights read at about {single.kernel_gbs:.0f} GB/s, the rate llama.cpp's dot products "
+                   f"stream them on {cluster.device.cores} cores, below the {cluster.device.bandwidth_gbs:g} GB/s "
+                   "the memory reads")
     reasons = [
-        f"decode is {single.bound}-bound: per token {fmt_seconds(single.memory_s)} of memory traffic at "
-        f"{cluster.device.bandwidth_gbs:g} GB/s, {fmt_seconds(single.compute_s)} of math, "
+        f"decode is {single.bound}-bound: per token {fmt_seconds(single.memory_s)} of memory traffic {traffic}, "
+        f"{fmt_seconds(single.compute_s)} of math, "
         f"{fmt_seconds(single.dequant_s)} of dequantization, {fmt_seconds(single.fixed_s)} of fixed per-layer cost",
     ]
     for line in (_compression_reason(c, evaluated, cluster), _native_reason(c, evaluated, cluster),

@@ -54,6 +54,8 @@ class Device:
     dies: int = 1
     max_per_node: int = 1  # devices that share one fast (NVLink/xGMI) domain
     measured: bool = False
+    cores: int = 0  # CPUs: physical cores the runner uses (0: not a CPU, or not known)
+    repacks: tuple[str, ...] = ()  # CPUs: weight formats llama.cpp repacks into its interleaved tiles here
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -238,6 +238,19 @@ def read_host() -> HostFacts:
                    measured_gflops=float(gemm) if gemm else None)
 
 
+def llamacpp_repacks(host: HostFacts) -> tuple[str, ...]:
+    """Weight formats llama.cpp repacks into interleaved tiles on this CPU (ggml-cpu/repack.cpp,
+    `ggml_repack_get_optimal_repack_type`): on x86 with AVX2 Q4_0, Q4_K, IQ4_NL and MXFP4 (and Q2_K with
+    AVX-512), on ARM with dotprod or i8mm also Q5_K, Q6_K and Q8_0. The rest run the plain dot products."""
+    f = host.flags
+    if "avx2" in f:
+        return ("q4_0", "q4_k", "iq4_nl", "mxfp4") + (("q2_k",) if "avx512f" in f else ())
+    arm = host.machine in ("aarch64", "arm64") or "asimd" in f
+    if arm and ({"i8mm", "asimddp", "dotprod"} & f):
+        return ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_nl", "mxfp4")
+    return ()
+
+
 def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
     """(ISA label, f32 FLOPs per cycle per core, int8 dot-product ops per cycle per core).
 
@@ -307,6 +320,7 @@ def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
         memory_gb=round(host.memory_bytes / 1e9, 1), bandwidth_gbs=round(bandwidth, 1), memory_type="ddr",
         interconnect_gbs=0.0, link="none", tensor_tflops=(("f32", f32), ("int8", host.cores * ghz * int8 / 1000)),
         vector_tflops=f32, clock_ghz=ghz, chip=host.model, storage_gbs=2.0, measured=bool(measured),
+        cores=host.cores, repacks=llamacpp_repacks(host),
         source=("measured read bandwidth" if measured else "probed; bandwidth estimated at 8 GB/s per core")
         + (f"; clock {ghz:.2f} GHz from a measured f32 GEMM" if ghz > (host.ghz or 2.5) else ""),
     )
