@@ -338,6 +338,28 @@ def test_describe_and_spec(runner):
     assert runner.spec.model_type == "gemma3" and runner.spec.vocab_size == runner.n_vocab
     assert runner.spec.layer_types  # the GGUF loader's exact spec, not llama.cpp's coarse one
     assert runner.kv.paged is False and runner.kv.capacity_tokens == N_CTX and runner.kv.max_seqs == 8
+    assert info["threadpool"] == "persistent"  # as llama-server and llama-bench attach one
+
+
+def test_the_persistent_thread_pool_changes_no_logit(model_path, runner, tokens, monkeypatch):
+    import twinfer.backends.llamacpp.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "attach_threadpool", lambda *args: None)
+    bare = LlamaCppRunner(model_path, n_ctx=N_CTX, max_seqs=8, n_threads=THREADS)
+    try:
+        assert bare.describe()["threadpool"] == "per-graph"
+        toks = tokens[0]
+        pooled = [runner.step(StepBatch([SeqChunk(900, toks, 0, logits=LogitsWanted.ALL)]))]
+        plain = [bare.step(StepBatch([SeqChunk(900, toks, 0, logits=LogitsWanted.ALL)]))]
+        for i in range(4):  # then one-token decode steps, as a stream runs
+            nxt = [int(np.argmax(plain[-1][-1]))]
+            pooled.append(runner.step(StepBatch([SeqChunk(900, nxt, len(toks) + i)])))
+            plain.append(bare.step(StepBatch([SeqChunk(900, nxt, len(toks) + i)])))
+        for a, b in zip(pooled, plain, strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        runner.release(900)
+        bare.close()
 
 
 def test_borrowed_logits_are_the_step_s_own_until_the_next_call(runner, tokens):

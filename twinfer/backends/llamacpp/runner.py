@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
-from twinfer.backends.llamacpp._lib import MemoryOps, address_function, load_llama_cpp, set_quiet, versions
+from twinfer.backends.llamacpp._lib import (
+    MemoryOps,
+    address_function,
+    attach_threadpool,
+    load_llama_cpp,
+    set_quiet,
+    versions,
+)
 from twinfer.backends.llamacpp.amx import guard_amx, quiet_amx_notice
 from twinfer.backends.llamacpp.kv_port import LlamaCppKVPort
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
@@ -206,6 +213,7 @@ class LlamaCppRunner(Runner):
         try:
             self._mem = MemoryOps.for_context(lib, self._ctx)
             self._batch = BatchBuffer(lib, int(lib.llama_n_batch(self._ctx)))
+            self._free_threadpool = attach_threadpool(lib, self._ctx, self.n_threads)
         except BaseException:
             lib.llama_free(self._ctx)
             self._free_model()
@@ -399,6 +407,7 @@ class LlamaCppRunner(Runner):
             **versions(lib),
             "memory_api": self._mem.api,
             "n_threads": self.n_threads,
+            "threadpool": "persistent" if self._free_threadpool is not None else "per-graph",  # ggml's CPU pool
             "n_ctx": self.n_ctx,
             "n_batch": self._batch.capacity,
             "n_ubatch": int(lib.llama_n_ubatch(self._ctx)) if not self._closed else None,
@@ -425,6 +434,9 @@ class LlamaCppRunner(Runner):
         self._batch.free()
         self._lib.llama_free(self._ctx)
         self._ctx = None
+        if self._free_threadpool is not None:  # after the context that used it
+            self._free_threadpool()
+            self._free_threadpool = None
         self._free_model()
 
     def __del__(self) -> None:
