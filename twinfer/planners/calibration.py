@@ -74,8 +74,8 @@ DEFAULTS: dict[str, Efficiency] = {
     # TTFT +4..+9% (docs/planner-accuracy.md, "A second model").
     # stream_plain / stream_repacked: the bytes a core's kernels stream per cycle in decode (cost._kernel_stream_s),
     # fitted on the 2-core AVX-512 EPYC, where DRAM read 20-43 GB/s and decode followed the kernels: Gemma 3
-    # 270M's Q8_0/Q5_0 weights at about 3 bytes a cycle a core; the 1B Q4_K model's repacked weights at least
-    # 8 once its Q6_K runs at 3, so that bound does not bind there (docs/planner-accuracy.md, "Kernels, not DRAM")
+    # 270M's Q8_0/Q5_0 weights at about 3 bytes a cycle a core; the 1B Q4_K model's repacked weights at about
+    # 8 or faster once its Q6_K runs at 3, so that bound does not bind there (docs/planner-accuracy.md, "Kernels, not DRAM")
     "llamacpp/cpu": Efficiency(bandwidth=0.82, tensor=0.5, vector=0.35, attention=0.49, overlap_loss=0.25,
                                layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3, stream_plain=3.0,
                                stream_repacked=8.0),

@@ -122,17 +122,23 @@ def _ep_max_load(touched: float, ep: int) -> float:
     return min(touched, mean + math.sqrt(2 * max(mean, 1e-9) * math.log(ep)))
 
 
+def _step_share(profile: ModelProfile, comp: str, touched: float) -> float:
+    """The share of a component's weights one decode step reads: an untied embedding table only its rows
+    (none, here), routed experts the `touched` of each layer's E, everything else all of it."""
+    if comp == "embed":
+        return 1.0 if profile.tied else 0.0
+    if comp in ("experts", "experts_down") and profile.moe:
+        return touched / profile.moe.num_experts
+    return 1.0
+
+
 def _dequant_elems(profile: ModelProfile, device: Device, mix: Mix, touched: float) -> tuple[float, float]:
     """(weights that need a dequantization loop, their ops per weight) read in one step."""
     elems, ops = 0.0, 0.0
     for comp in COMPONENTS:
         if comp in ("norm", "router"):
             continue
-        n = profile.count(comp)
-        if comp == "embed":
-            n = n if profile.tied else 0.0
-        elif comp in ("experts", "experts_down") and profile.moe:
-            n *= touched / profile.moe.num_experts
+        n = profile.count(comp) * _step_share(profile, comp, touched)
         for fname, share in profile.split(mix, comp):
             if not _native(device, fname):
                 elems += n * share
@@ -143,23 +149,20 @@ def _dequant_elems(profile: ModelProfile, device: Device, mix: Mix, touched: flo
 def _kernel_stream_s(profile: ModelProfile, dev: Device, eff: Efficiency, mix: Mix, touched: float) -> float:
     """Seconds a CPU's matmul kernels take to stream the weights one decode step touches, one row: they
     read a format llama.cpp repacks (`Device.repacks`) at `stream_repacked` bytes a cycle a core, the rest
-    at `stream_plain`. On a host whose DRAM outruns them (a 2-core Zen 4 VM read 27-35 GB/s while its
-    llama.cpp decode streamed Gemma 3's Q8_0 head at about 19), this, not the bandwidth, sets decode."""
+    at `stream_plain`. On a host whose DRAM outruns them (a 2-core Zen 4 VM read 27-35 GB/s while llama.cpp
+    streamed Gemma 3 270M's weights, most of them a Q8_0 head, at about 19), this, not the bandwidth, sets decode."""
     if dev.kind != CPU or not dev.cores or not eff.stream_plain:
         return 0.0
     plain = repacked = 0.0
     for comp in COMPONENTS:
-        if comp == "embed" and not profile.tied:
-            continue  # an untied table: a step reads its rows only
-        share = touched / profile.moe.num_experts if comp in ("experts", "experts_down") and profile.moe else 1.0
-        parts = [(f, w * FORMATS[f].bits) for f, w in profile.split(mix, comp)]
+        read = profile.bytes_of(mix, comp) * _step_share(profile, comp, touched)
+        parts = [(f, w * FORMATS[f].bits) for f, w in profile.split(mix, comp)]  # each format's share of the bytes
         total = sum(w for _, w in parts) or 1.0
         for fname, weight in parts:
-            nbytes = profile.bytes_of(mix, comp) * share * weight / total
             if fname in dev.repacks:
-                repacked += nbytes
+                repacked += read * weight / total
             else:
-                plain += nbytes
+                plain += read * weight / total
     cycles = plain / eff.stream_plain + repacked / (eff.stream_repacked or eff.stream_plain)
     return cycles / (dev.cores * dev.clock_ghz * 1e9)
 

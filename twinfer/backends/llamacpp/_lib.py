@@ -34,6 +34,9 @@ def load_llama_cpp() -> ModuleType:
     return lib
 
 
+_VOIDP = ctypes.c_void_p
+
+
 def address_function(lib: ModuleType, name: str) -> Callable[[Any], int | None]:
     """`lib.<name>(ctx)` for a function returning a pointer, giving the address as an int (None for
     NULL). A prototype of its own over the same symbol, so llama-cpp-python's function object keeps its
@@ -41,12 +44,9 @@ def address_function(lib: ModuleType, name: str) -> Callable[[Any], int | None]:
     dll = getattr(lib, "_lib", None)
     if dll is not None:
         with contextlib.suppress(AttributeError, TypeError):
-            return ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)((name, dll))  # type: ignore[no-any-return]
+            return ctypes.CFUNCTYPE(_VOIDP, _VOIDP)((name, dll))  # type: ignore[no-any-return]
     typed = getattr(lib, name)
-    return lambda ctx: ctypes.cast(typed(ctx), ctypes.c_void_p).value
-
-
-_VOIDP = ctypes.c_void_p
+    return lambda ctx: ctypes.cast(typed(ctx), _VOIDP).value
 
 
 def _sibling(lib: ModuleType, stem: str) -> ctypes.CDLL | None:
@@ -78,30 +78,39 @@ def attach_threadpool(lib: ModuleType, ctx: Any, n_threads: int) -> Callable[[],
     is then ggml's own, as before). The parameters are ggml's defaults, written by
     `ggml_threadpool_params_init` into a buffer larger than the struct, so its layout is never read here.
     """
-    attach = getattr(getattr(lib, "_lib", None), "llama_attach_threadpool", None)
-    ggml, base = _sibling(lib, "ggml"), _sibling(lib, "ggml-base")
-    if attach is None or ggml is None or base is None:
+    api = _threadpool_api(lib)
+    if api is None:
         return None
-    try:
-        reg_by_name = ctypes.CFUNCTYPE(_VOIDP, ctypes.c_char_p)(("ggml_backend_reg_by_name", ggml))
-        proc = ctypes.CFUNCTYPE(_VOIDP, _VOIDP, ctypes.c_char_p)(("ggml_backend_reg_get_proc_address", ggml))
-        params_init = ctypes.CFUNCTYPE(None, _VOIDP, ctypes.c_int)(("ggml_threadpool_params_init", base))
-        reg = reg_by_name(b"CPU")
-        new_addr = proc(reg, b"ggml_threadpool_new") if reg else None
-        free_addr = proc(reg, b"ggml_threadpool_free") if reg else None
-    except AttributeError:
-        return None
-    if not new_addr or not free_addr:
-        return None
-    new = ctypes.CFUNCTYPE(_VOIDP, _VOIDP)(new_addr)
-    free = ctypes.CFUNCTYPE(None, _VOIDP)(free_addr)
+    params_init, new, free, attach = api
     params = ctypes.create_string_buffer(16384)  # struct ggml_threadpool_params is about 530 bytes today
     params_init(params, n_threads)
     pool = new(params)
     if not pool:
         return None
-    ctypes.CFUNCTYPE(None, _VOIDP, _VOIDP, _VOIDP)(("llama_attach_threadpool", lib._lib))(ctx, pool, None)
+    attach(ctx, pool, None)
     return lambda: free(pool)
+
+
+@functools.cache
+def _threadpool_api(lib: ModuleType) -> tuple[Any, Any, Any, Any] | None:
+    """(ggml_threadpool_params_init, ggml_threadpool_new, ggml_threadpool_free, llama_attach_threadpool), looked
+    up once per process: the pool functions through ggml's backend registry, as llama-bench finds them."""
+    dll, ggml, base = getattr(lib, "_lib", None), _sibling(lib, "ggml"), _sibling(lib, "ggml-base")
+    if dll is None or ggml is None or base is None:
+        return None
+    try:
+        reg_by_name = ctypes.CFUNCTYPE(_VOIDP, ctypes.c_char_p)(("ggml_backend_reg_by_name", ggml))
+        proc = ctypes.CFUNCTYPE(_VOIDP, _VOIDP, ctypes.c_char_p)(("ggml_backend_reg_get_proc_address", ggml))
+        params_init = ctypes.CFUNCTYPE(None, _VOIDP, ctypes.c_int)(("ggml_threadpool_params_init", base))
+        attach = ctypes.CFUNCTYPE(None, _VOIDP, _VOIDP, _VOIDP)(("llama_attach_threadpool", dll))
+    except AttributeError:  # a llama.cpp without these symbols
+        return None
+    reg = reg_by_name(b"CPU")
+    new_addr = proc(reg, b"ggml_threadpool_new") if reg else None
+    free_addr = proc(reg, b"ggml_threadpool_free") if reg else None
+    if not new_addr or not free_addr:
+        return None
+    return params_init, ctypes.CFUNCTYPE(_VOIDP, _VOIDP)(new_addr), ctypes.CFUNCTYPE(None, _VOIDP)(free_addr), attach
 
 
 @functools.cache
