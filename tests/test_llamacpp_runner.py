@@ -362,6 +362,30 @@ def test_the_persistent_thread_pool_changes_no_logit(model_path, runner, tokens,
         bare.close()
 
 
+def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
+    """Where the weights live (mapped file pages, or llama.cpp's buffers on 2 MiB pages) moves no logit;
+    on a kernel that gives huge pages, the weights get them."""
+    from twinfer.backends.llamacpp import hugepages
+
+    runs = []
+    for huge in (True, False):
+        r = LlamaCppRunner(model_path, n_ctx=256, max_seqs=1, n_threads=THREADS, huge_pages=huge)
+        try:
+            toks = tokens[0]
+            out = [r.step(StepBatch([SeqChunk(1, toks, 0, logits=LogitsWanted.ALL)]))]
+            for i in range(3):
+                out.append(r.step(StepBatch([SeqChunk(1, [int(np.argmax(out[-1][-1]))], len(toks) + i)])))
+            runs.append((out, r.describe()["huge_page_weights_mb"]))
+        finally:
+            r.close()
+    (huge_out, huge_mb), (mapped_out, mapped_mb) = runs
+    for a, b in zip(huge_out, mapped_out, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert mapped_mb == 0
+    if hugepages.supported() and hugepages.thp_mode() in ("always", "madvise"):
+        assert huge_mb > 0  # of 235 MB of weights (274 MB measured here: the advice covers whole chunks)
+
+
 def test_borrowed_logits_are_the_step_s_own_until_the_next_call(runner, tokens):
     """The engine's `step_borrowed` reads llama.cpp's logits buffer in place; `step` hands out a copy
     that a later decode leaves alone."""

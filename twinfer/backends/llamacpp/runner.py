@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.backends.llamacpp import hugepages
 from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
 from twinfer.backends.llamacpp._lib import (
     MemoryOps,
@@ -65,7 +66,9 @@ class KVCacheFull(DecodeError):
     """llama_decode found no free KV cells for the batch (return code 1): free or preempt sequences."""
 
 
-def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
+def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | None) -> tuple[Any, int]:
+    """The model, and the bytes of its weights on huge pages (hugepages.py; None: decide from the
+    host and the file's size)."""
     if not path.exists():
         raise ModelError(f"model file not found: {path}")
     if not path.is_file():
@@ -76,13 +79,27 @@ def _load_model(lib: ModuleType, path: Path, repack: bool) -> Any:
     params = lib.llama_model_default_params()
     if hasattr(params, "use_extra_bufts"):
         params.use_extra_bufts = repack  # CPU weight repacking: its 4-row GEMM tiles break batch invariance
+    if huge_pages is None:
+        huge_pages = hugepages.supported() and hugepages.wanted(
+            path.stat().st_size, hugepages.thp_mode(), hugepages.mem_available())
+    load = callback = None
+    fields = {name for name, _ in type(params)._fields_}
+    if huge_pages and fields & {"load_mode", "use_mmap"} and hasattr(lib, "llama_progress_callback"):
+        load = hugepages.HugePageLoad()
+        callback = lib.llama_progress_callback(load.progress)  # referenced until the load returns
+        if "load_mode" in fields:
+            params.load_mode = lib.LLAMA_LOAD_MODE_NONE  # read into llama.cpp's buffers, not mapped
+        else:
+            params.use_mmap = False
+        params.progress_callback = callback
     model = lib.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelError(
             f"llama.cpp could not load {path}: the file is corrupt or truncated, or its architecture is "
             "not supported by this llama.cpp; check the file (run with verbose=True for llama.cpp's log)"
         )
-    return model
+    del callback
+    return model, load.finish() if load is not None else 0
 
 
 def _context_params(
@@ -171,6 +188,7 @@ class LlamaCppRunner(Runner):
         repack: bool = False,
         kv_type: str = "f16",
         unified_kv: bool = True,
+        huge_pages: bool | None = None,
         verbose: bool = False,
     ):
         self._closed = True  # until everything below exists, close() has nothing to free
@@ -198,7 +216,7 @@ class LlamaCppRunner(Runner):
         repack = repack and self.amx != "repack-off"  # crashing AMX kernels we could not keep out otherwise
         self.flash_attn, self.repack, self.kv_type = flash_attn, repack, kv_type
         with quiet_amx_notice(self.amx == "denied" and not verbose):
-            self._model = _load_model(lib, self.path, repack)
+            self._model, self.huge_page_bytes = _load_model(lib, self.path, repack, huge_pages)
         self.unified_kv = unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv,
@@ -414,6 +432,7 @@ class LlamaCppRunner(Runner):
             "max_seqs": self.kv.max_seqs,
             "flash_attn": self.flash_attn,
             "repack": self.repack,
+            "huge_page_weights_mb": round(self.huge_page_bytes / 2**20),  # 0: mapped or on 4 KiB pages
             "amx": self.amx,  # none | on | denied (its kernels crash in this build: kept out) | repack-off
             "kv_type": self.kv_type,
             "unified_kv": self.unified_kv,

@@ -1,0 +1,64 @@
+"""Weights on huge pages: the pure parts of hugepages.py, on texts, so every machine gives one verdict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from twinfer.backends.llamacpp import hugepages as hp
+
+MIB = 1 << 20
+
+MAPS = """\
+55d0c0000000-55d0c8000000 rw-p 00000000 00:00 0                          [heap]
+7f0000000000-7f0010000000 r--s 00000000 08:01 1234                       /models/m.gguf
+7f0010000000-7f0030000000 rw-p 00000000 00:00 0
+7f0030000000-7f0030100000 r-xp 00000000 08:01 99                         /usr/lib/libllama.so
+7f0030100000-7f0030200000 rw-p 00100000 08:01 99                         /usr/lib/libllama.so
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]
+"""
+
+
+def test_the_kernel_mode_is_the_bracketed_word(tmp_path: Path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert hp.thp_mode(f) == "madvise"
+    f.write_text("[always] madvise never\n")
+    assert hp.thp_mode(f) == "always"
+    assert hp.thp_mode(tmp_path / "missing") is None  # no THP (macOS, or a kernel without it)
+
+
+def test_huge_pages_only_where_the_kernel_gives_them_and_the_model_leaves_half_the_memory():
+    gib = 1 << 30
+    assert hp.wanted(gib, "madvise", 4 * gib) and hp.wanted(gib, "always", 2 * gib)
+    assert not hp.wanted(gib, "never", 64 * gib)
+    assert not hp.wanted(3 * gib, "madvise", 4 * gib)  # a big model stays mapped: droppable, shared
+    assert not hp.wanted(gib, None, 64 * gib) and not hp.wanted(gib, "madvise", None)
+
+
+def test_anonymous_ranges_are_private_writable_and_unnamed_or_the_heap():
+    assert hp.anonymous_ranges(MAPS) == [(0x55D0C0000000, 0x55D0C8000000), (0x7F0010000000, 0x7F0030000000)]
+
+
+def test_new_ranges_are_what_the_load_added():
+    before = [(0, 10 * MIB), (20 * MIB, 30 * MIB)]
+    after = [(0, 14 * MIB), (18 * MIB, 40 * MIB), (50 * MIB, 60 * MIB)]  # grown, merged, new
+    assert hp.new_ranges(after, before) == [(10 * MIB, 14 * MIB), (18 * MIB, 20 * MIB), (30 * MIB, 40 * MIB),
+                                            (50 * MIB, 60 * MIB)]
+    assert hp.new_ranges(before, before) == []
+
+
+def test_only_whole_aligned_chunks_are_advised():
+    assert hp.whole_chunks([(MIB, 7 * MIB), (8 * MIB, 9 * MIB)]) == [(2 * MIB, 6 * MIB)]
+
+
+def test_huge_bytes_counts_the_mappings_the_ranges_fall_in():
+    smaps = """\
+7f0010000000-7f0030000000 rw-p 00000000 00:00 0
+Size:             524288 kB
+AnonHugePages:    262144 kB
+7f0040000000-7f0050000000 rw-p 00000000 00:00 0
+AnonHugePages:      4096 kB
+"""
+    assert hp.huge_bytes([(0x7F0012000000, 0x7F0014000000)], smaps) == 256 * MIB
+    assert hp.huge_bytes([(0x7F0060000000, 0x7F0062000000)], smaps) == 0
+    assert hp.huge_bytes([], smaps) == 0
