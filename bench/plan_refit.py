@@ -34,7 +34,7 @@ HOSTS = {  # the three 2-core VMs of docs/benchmarks.md, as /proc/cpuinfo descri
     "spr": ("GenuineIntel", [*_AVX512, "amx_tile"], 2.0),
 }
 DATA = Path(__file__).parent.parent / "docs" / "data"
-# (data file, host, bandwidth in GB/s, or None where the file records it); the first ten set the factor
+# (data file, host, bandwidth in GB/s, or None where the file records it[, weights on huge pages]); the first\n# ten set the bandwidth factor
 RUNS = [
     ("peers-run.json", "epyc-avx512", 16.35),
     ("peers-run-avx2.json", "epyc-avx2", 12.15),
@@ -53,6 +53,10 @@ RUNS = [
     ("peers-run-epyc-8adb2e3.json", "epyc-avx512", None),
     ("peers-run-epyc-rotated-full.json", "epyc-avx512", None),
     ("peers-run-epyc-78b0b83.json", "epyc-avx512", None),
+    # the runner's weights on huge pages from here on (a fourth field: True)
+    ("peers-run-epyc-hugepages.json", "epyc-avx512", None, True),
+    ("plan-run-epyc-hugepages-b.json", "epyc-avx512", None, True),
+    ("plan-run-epyc-hugepages-c.json", "epyc-avx512", None, True),
 ]
 FITTED_ON = 10
 
@@ -63,10 +67,12 @@ def comparisons(name: str) -> list[list[dict]]:
     return data.get("plan_rounds") or [data["plan_vs_bench"]]
 
 
-def predict(host: str, gbs: float, context: int, cal: Calibration, gflops: float | None = None) -> tuple[float, float]:
+def predict(host: str, gbs: float, context: int, cal: Calibration, gflops: float | None = None,
+            huge: bool = False) -> tuple[float, float]:
     vendor, flags, ghz = HOSTS[host]
     facts = probe.HostFacts(system="Linux", machine="x86_64", model=host, vendor=vendor, flags=frozenset(flags),
-                            cpus=2, cores=2, ghz=ghz, memory_bytes=23.5e9, measured_gbs=gbs, measured_gflops=gflops)
+                            cpus=2, cores=2, ghz=ghz, memory_bytes=23.5e9, measured_gbs=gbs, measured_gflops=gflops,
+                            huge_pages=huge)
     predicted = make_plan(resolve(None), probe.probe_cpu(facts), Request(context, 1), cal).to_json()["predicted"]
     return predicted["decode_tokens_per_s"], predicted["ttft_s"]
 
@@ -78,13 +84,13 @@ def main() -> None:
     table = {**DEFAULTS, "llamacpp/cpu": replace(DEFAULTS["llamacpp/cpu"], **overrides)}
     cal = Calibration(tuple(table.items()))
     errors: dict[str, list[tuple[int, float]]] = {"decode": [], "TTFT": []}  # (run index, error)
-    for index, (name, host, recorded_gbs) in enumerate(RUNS):
+    for index, (name, host, recorded_gbs, *huge) in enumerate(RUNS):
         for rows in comparisons(name):
             gbs = recorded_gbs or rows[0]["hw_measured"]["cpu read bandwidth"]
             gflops = None if reported_clock else rows[0].get("hw_measured", {}).get("cpu f32 gemm")  # from run 10 on
             cells = [f"{name}, {gbs:.2f} GB/s" + (f", {gflops:.0f} GFLOP/s" if gflops else "")]
             for row in rows:
-                d, t = predict(host, gbs, row["context"], cal, gflops)
+                d, t = predict(host, gbs, row["context"], cal, gflops, bool(huge))
                 for label, ours, theirs in (("decode", d, row["measured_decode_tok_s"]),
                                             ("TTFT", t, row["measured_ttft_s"])):
                     errors[label].append((index, ours / theirs - 1))

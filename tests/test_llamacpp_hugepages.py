@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from twinfer.backends.llamacpp import hugepages as hp
+from twinfer.runtime.cpu import mem_available, thp_mode
 
 MIB = 1 << 20
 
@@ -21,10 +22,13 @@ MAPS = """\
 def test_the_kernel_mode_is_the_bracketed_word(tmp_path: Path):
     f = tmp_path / "enabled"
     f.write_text("always [madvise] never\n")
-    assert hp.thp_mode(f) == "madvise"
+    assert thp_mode(f) == "madvise"
     f.write_text("[always] madvise never\n")
-    assert hp.thp_mode(f) == "always"
-    assert hp.thp_mode(tmp_path / "missing") is None  # no THP (macOS, or a kernel without it)
+    assert thp_mode(f) == "always"
+    assert thp_mode(tmp_path / "missing") is None  # no THP (macOS, or a kernel without it)
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24576000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    assert mem_available(info) == 20000000 * 1024 and mem_available(tmp_path / "none") is None
 
 
 def test_huge_pages_only_where_the_kernel_gives_them_and_the_model_leaves_half_the_memory():
@@ -48,7 +52,7 @@ def test_new_ranges_are_what_the_load_added():
 
 
 def test_only_whole_aligned_chunks_are_advised():
-    assert hp.whole_chunks([(MIB, 7 * MIB), (8 * MIB, 9 * MIB)]) == [(2 * MIB, 6 * MIB)]
+    assert hp.whole_chunks([(MIB, 7 * MIB), (8 * MIB, 9 * MIB)], 2 * MIB) == [(2 * MIB, 6 * MIB)]
 
 
 def test_huge_bytes_counts_the_mappings_the_ranges_fall_in():

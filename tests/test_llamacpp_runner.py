@@ -366,6 +366,7 @@ def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
     """Where the weights live (mapped file pages, or llama.cpp's buffers on 2 MiB pages) moves no logit;
     on a kernel that gives huge pages, the weights get them."""
     from twinfer.backends.llamacpp import hugepages
+    from twinfer.runtime.cpu import HUGE_PAGE_MODES, thp_mode
 
     runs = []
     for huge in (True, False):
@@ -382,7 +383,7 @@ def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
     for a, b in zip(huge_out, mapped_out, strict=True):
         np.testing.assert_array_equal(a, b)
     assert mapped_mb == 0
-    if hugepages.supported() and hugepages.thp_mode() in ("always", "madvise"):
+    if hugepages.supported() and thp_mode() in HUGE_PAGE_MODES:
         assert huge_mb > 0  # of 235 MB of weights (274 MB measured here: the advice covers whole chunks)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from twinfer.planners import probe
 from twinfer.planners.calibration import DEFAULTS
-from twinfer.planners.cost import _kernel_stream_s
+from twinfer.planners.cost import _kernel_stream_s, on_huge_pages
 from twinfer.planners.formats import COMPONENTS
 from twinfer.planners.hw_table import DEVICES
 from twinfer.planners.plan import make_plan
@@ -20,13 +20,14 @@ from twinfer.planners.source import resolve
 _AVX512 = frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 
 
-def _host(gbs: float, flags: frozenset[str] = _AVX512, machine: str = "x86_64") -> probe.HostFacts:
+def _host(gbs: float, flags: frozenset[str] = _AVX512, machine: str = "x86_64", huge: bool = False) -> probe.HostFacts:
     return probe.HostFacts(system="Linux", machine=machine, model="pinned", vendor="AuthenticAMD", flags=flags,
-                           cpus=2, cores=2, ghz=2.6, memory_bytes=24e9, measured_gbs=gbs, measured_gflops=200.0)
+                           cpus=2, cores=2, ghz=2.6, memory_bytes=24e9, measured_gbs=gbs, measured_gflops=200.0,
+                           huge_pages=huge)
 
 
-def _decode(gbs: float) -> float:
-    plan = make_plan(resolve(None), probe.probe_cpu(_host(gbs)), Request(64, 1))
+def _decode(gbs: float, huge: bool = False) -> float:
+    plan = make_plan(resolve(None), probe.probe_cpu(_host(gbs, huge=huge)), Request(64, 1))
     return float(plan.to_json()["predicted"]["decode_tokens_per_s"])
 
 
@@ -61,3 +62,21 @@ def test_the_kernels_read_repacked_formats_faster_and_only_on_cpus() -> None:
     assert _kernel_stream_s(profile, replace(device, cores=0), eff, mix, 0.0) == 0.0
     gpu = DEVICES["h100-sxm"]
     assert _kernel_stream_s(profile, gpu, eff, mix, 0.0) == 0.0
+
+
+def test_weights_on_huge_pages_stream_faster_unless_the_model_stays_mapped() -> None:
+    """The runner puts weights on huge pages where the kernel gives them and the model is at most half the
+    memory (backends/llamacpp/hugepages.py): decode then streams faster, from DRAM or through the kernels,
+    by the calibrated factor on the streaming part of the step; a host without THP, or one the model
+    fills past half, plans as before."""
+    factor = DEFAULTS["llamacpp/cpu"].huge_pages
+    assert factor > 1
+    for gbs in (10.0, 34.0):  # DRAM-bound, then kernel-bound
+        small, huge = _decode(gbs), _decode(gbs, huge=True)
+        assert small * 1.05 < huge < small * factor  # fixed per-step costs do not speed up
+    profile, device = resolve(None), probe.probe_cpu(_host(34.0, huge=True)).device
+    mix = profile.stored
+    assert mix is not None and on_huge_pages(profile, device, mix)
+    assert not on_huge_pages(profile, replace(device, memory_gb=0.4), mix)  # 235 MB: over half of 400 MB
+    assert not on_huge_pages(profile, replace(device, huge_pages=False), mix)
+    assert not on_huge_pages(profile, replace(DEVICES["h100-sxm"], huge_pages=True), mix)  # a GPU's own memory

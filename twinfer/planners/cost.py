@@ -167,6 +167,13 @@ def _kernel_stream_s(profile: ModelProfile, dev: Device, eff: Efficiency, mix: M
     return cycles / (dev.cores * dev.clock_ghz * 1e9)
 
 
+def on_huge_pages(profile: ModelProfile, dev: Device, mix: Mix) -> bool:
+    """Whether the llama.cpp runner puts these weights on huge pages: where the kernel gives them, for a
+    model of at most half the memory (backends/llamacpp/hugepages.py; the runner asks the memory available
+    when it loads, the plan the device's size)."""
+    return dev.kind == CPU and dev.huge_pages and 2 * profile.weight_bytes(mix) <= dev.memory_gb * 1e9
+
+
 def _fixed_cycles(profile: ModelProfile, eff: Efficiency, layers: float) -> float:
     moe_share = profile.moe_layers / profile.spec.num_layers
     return layers * eff.layer_cycles * (1 + moe_share * (eff.moe_layer_factor - 1))
@@ -189,9 +196,11 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     streamed = experts * s.stream_fraction
     kv = mb * kv_bytes_per_seq(profile, s.kv, context) / kv_shard(profile, s)
     bw = dev.bandwidth_gbs * 1e9 * eff.bandwidth * (eff.dual_die if dev.dies > 1 else 1.0)
-    # weights stream at the slower of the memory and the kernels that read them (CPU: cores x clock)
-    dram_s = (dense + experts - streamed) / bw
-    kernel_s = _kernel_stream_s(profile, dev, eff, s.mix, touched) / shard
+    # weights stream at the slower of the memory and the kernels that read them (CPU: cores x clock), both
+    # faster on huge pages (fewer TLB misses)
+    huge = eff.huge_pages if on_huge_pages(profile, dev, s.mix) else 1.0
+    dram_s = (dense + experts - streamed) / bw / huge
+    kernel_s = _kernel_stream_s(profile, dev, eff, s.mix, touched) / shard / huge
     memory_s = max(dram_s, kernel_s) + kv / bw
     kernel_gbs = (dense + experts) / kernel_s / 1e9 if kernel_s > dram_s else 0.0
 

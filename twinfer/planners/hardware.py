@@ -56,6 +56,7 @@ class Device:
     measured: bool = False
     cores: int = 0  # CPUs: physical cores the runner uses (0: not a CPU, or not known)
     repacks: tuple[str, ...] = ()  # CPUs: weight formats llama.cpp repacks into its interleaved tiles here
+    huge_pages: bool = False  # CPUs: the kernel gives huge pages (Linux THP), so llama.cpp's weights sit on them
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from twinfer.planners.hardware import CPU, GPU, Cluster, Device
 from twinfer.planners.hw_table import APPLE_CHIPS, DEVICES
 from twinfer.runtime.cache_dir import cache_dir
-from twinfer.runtime.cpu import cpuinfo, default_threads, usable_cpus
+from twinfer.runtime.cpu import HUGE_PAGE_MODES, cpuinfo, default_threads, thp_mode, usable_cpus
 from twinfer.runtime.errors import PlanError
 
 HOST_ENV = "TWINFER_HOST_FACTS"
@@ -164,6 +164,7 @@ class HostFacts:
     measured_gbs: float | None = None  # read bandwidth measured on this machine, from the cache
     measured_gflops: float | None = None  # f32 GEMM rate measured on this machine (GFLOP/s), from the cache
     apple_chip: str = ""  # "M2 Max" on Apple silicon
+    huge_pages: bool = False  # the kernel gives anonymous memory transparent huge pages (THP always or madvise)
     gpu_cores: int = 0  # Apple silicon's GPU cores
 
     @classmethod
@@ -231,7 +232,7 @@ def read_host() -> HostFacts:
     cpus = len(usable_cpus())
     host = HostFacts(system=system, machine=machine, model=model, vendor=vendor, flags=frozenset(flags),
                      cpus=cpus, cores=min(default_threads(), cpus), ghz=float(info.get("cpu MHz", 0) or 0) / 1000,
-                     memory_bytes=_memory_bytes())
+                     memory_bytes=_memory_bytes(), huge_pages=thp_mode() in HUGE_PAGE_MODES)
     cached = _cached()
     measured, gemm = cached.get(host.key), cached.get(host.key + ":gemm")
     return replace(host, measured_gbs=float(measured) if measured else None,
@@ -320,7 +321,7 @@ def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
         memory_gb=round(host.memory_bytes / 1e9, 1), bandwidth_gbs=round(bandwidth, 1), memory_type="ddr",
         interconnect_gbs=0.0, link="none", tensor_tflops=(("f32", f32), ("int8", host.cores * ghz * int8 / 1000)),
         vector_tflops=f32, clock_ghz=ghz, chip=host.model, storage_gbs=2.0, measured=bool(measured),
-        cores=host.cores, repacks=llamacpp_repacks(host),
+        cores=host.cores, repacks=llamacpp_repacks(host), huge_pages=host.huge_pages,
         source=("measured read bandwidth" if measured else "probed; bandwidth estimated at 8 GB/s per core")
         + (f"; clock {ghz:.2f} GHz from a measured f32 GEMM" if ghz > (host.ghz or 2.5) else ""),
     )

@@ -1,4 +1,4 @@
-"""The CPUs this process may use, and how many compute threads that makes.
+"""The CPUs this process may use, how many compute threads that makes, and the memory pages it gets.
 
 llama.cpp's rule: one compute thread per *physical* core, read from the CPU topology rather than
 guessed. Hyperthreads share a core's vector units and bandwidth, so a second thread per core only
@@ -81,3 +81,28 @@ def cpuinfo() -> dict[str, str]:
 def cpu_model() -> str:
     """The CPU's model name as Linux reports it (/proc/cpuinfo), else what `platform` knows."""
     return cpuinfo().get("model name") or platform.processor() or platform.machine() or "cpu"
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+HUGE_PAGE_MODES = ("always", "madvise")  # THP modes in which memory that asks for huge pages gets them
+
+
+def thp_mode(path: Path = THP) -> str | None:
+    """The kernel's transparent-huge-page mode for anonymous memory ("always", "madvise", "never");
+    None without THP (macOS, Windows, a kernel built without it)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    return next((word[1:-1] for word in text.split() if word.startswith("[")), None)
+
+
+def mem_available(path: Path = Path("/proc/meminfo")) -> int | None:
+    """Bytes the kernel says it can give without swapping (MemAvailable), or None where it does not say."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

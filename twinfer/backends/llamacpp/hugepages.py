@@ -20,40 +20,30 @@ import ctypes
 import os
 import sys
 from collections.abc import Iterable
-from pathlib import Path
 
-HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages): a PMD's span
+from twinfer.runtime.cpu import HUGE_PAGE_MODES
+
+
+def _pmd_bytes(path: str = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") -> int:
+    """A huge page's size: 2 MiB on x86-64 and on arm64 with 4 KiB pages (larger with 16 or 64 KiB)."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE = _pmd_bytes()
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 Range = tuple[int, int]
 
 
-def thp_mode(path: Path = THP) -> str | None:
-    """The kernel's THP mode for anonymous memory ("always", "madvise", "never"); None without THP."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    return next((word[1:-1] for word in text.split() if word.startswith("[")), None)
-
-
-def mem_available(path: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable in bytes, or None where the kernel does not say."""
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def wanted(model_bytes: int, mode: str | None, available: int | None) -> bool:
-    """Whether to load weights onto huge pages: the kernel gives them (THP not "never"), and the model
-    is at most half the available memory (a bigger one stays mapped, where the kernel can drop and
-    re-read its pages instead of swapping, and other processes share them)."""
-    return mode in ("always", "madvise") and available is not None and model_bytes * 2 <= available
+    """Whether to load weights onto huge pages: the kernel gives them (`thp_mode` "always" or
+    "madvise"), and the model is at most half the available memory (a bigger one stays mapped, where
+    the kernel can drop and re-read its pages instead of swapping, and other processes share them)."""
+    return mode in HUGE_PAGE_MODES and available is not None and model_bytes * 2 <= available
 
 
 def anonymous_ranges(maps: str) -> list[Range]:
@@ -84,11 +74,11 @@ def new_ranges(after: Iterable[Range], before: Iterable[Range]) -> list[Range]:
     return out
 
 
-def whole_chunks(ranges: Iterable[Range]) -> list[Range]:
-    """Each range cut down to the 2 MiB-aligned chunks inside it; ranges holding none are dropped."""
+def whole_chunks(ranges: Iterable[Range], size: int = HUGE) -> list[Range]:
+    """Each range cut down to the huge-page-aligned chunks inside it; ranges holding none are dropped."""
     out = []
     for start, end in ranges:
-        lo, hi = -(-start // HUGE) * HUGE, end // HUGE * HUGE
+        lo, hi = -(-start // size) * size, end // size * size
         if hi > lo:
             out.append((lo, hi))
     return out
