@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from twinfer.planners.calibration import Calibration
-from twinfer.planners.cost import _native, kv_native
+from twinfer.planners.cost import _native, kv_native, on_huge_pages
 from twinfer.planners.formats import GOOD, LOSSY, MIXES
 from twinfer.planners.hardware import APPLE, Cluster
 from twinfer.planners.memory import FULL_LENGTH_KV, max_concurrency, max_context, memory_for
@@ -122,6 +122,8 @@ def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request:
         traffic = (f"with the weights read at about {single.kernel_gbs:.0f} GB/s, the rate llama.cpp's dot products "
                    f"stream them on {cluster.device.cores} cores, below the {cluster.device.bandwidth_gbs:g} GB/s "
                    "the memory reads")
+    if s.engine == "llamacpp" and on_huge_pages(c.profile, cluster.device, s.mix):
+        traffic += " (the weights on transparent huge pages: fewer TLB misses)"
     reasons = [
         f"decode is {single.bound}-bound: per token {fmt_seconds(single.memory_s)} of memory traffic {traffic}, "
         f"{fmt_seconds(single.compute_s)} of math, "
