@@ -310,7 +310,7 @@ def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
         if host.measured_gbs is None and measure:
             host = replace(host, measured_gbs=measure_cpu_bandwidth())
         if host.measured_gflops is None and measure and pinned_host() is None:  # a described host is as written
-            host = replace(host, measured_gflops=measure_cpu_gemm())
+            host = replace(host, measured_gflops=measure_cpu_gemm_apart())
     isa, fma, int8 = cpu_rates(host)
     ghz = effective_ghz(host, fma)
     f32 = host.cores * ghz * fma / 1000
@@ -397,17 +397,36 @@ def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
 
     a = np.random.default_rng(0).random((n, n), dtype=np.float32)
     b = a.T.copy()
+    # every product into one array: a fresh 16 MB result per product would come from the heap once glibc's
+    # mmap threshold rose past it (the first one freed raises it), and the heap kept ~28 MB after, which a
+    # --memory-budget run's first-run peak then carried on top of the model
+    c = np.empty_like(a)
     for _ in range(2):  # the BLAS threads start and the pages are touched (one product was not enough)
-        a @ b
+        np.matmul(a, b, out=c)
     rates: list[float] = []
     began = time.perf_counter()
     while len(rates) < 3 or time.perf_counter() - began < seconds:
         start = time.perf_counter()
-        a @ b
+        np.matmul(a, b, out=c)
         rates.append(2 * n**3 / (time.perf_counter() - start) / 1e9)
     measured = float(np.median(rates))
     _store(read_host().key + ":gemm", round(measured, 1))
     return measured
+
+
+def measure_cpu_gemm_apart() -> float:
+    """`measure_cpu_gemm` in a child interpreter (it caches the rate there), in-process if that fails. The
+    planner measures before a `--memory-budget` run opens its model, and in-process the product left ~30 MB
+    behind for that run's peak to carry: OpenBLAS's per-thread buffers, and 16 MB arrays that, once
+    freed, raise glibc's mmap threshold so later buffers of that size come from a heap that keeps them."""
+    import sys
+
+    code = "from twinfer.planners.probe import measure_cpu_gemm; print(measure_cpu_gemm())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        return float(out.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return measure_cpu_gemm()
 
 
 def measure_gpu_copy_bandwidth(gb: float = 1.0) -> float | None:
