@@ -48,9 +48,13 @@ def peer(cmd: list[str]) -> list[str]:
     return cmd
 
 
+def llama_bench_cmd(bin_dir: Path, model: Path) -> list[str]:
+    """`llama-bench` tg128 at its defaults, JSON out."""
+    return peer([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", "128", "-o", "json"])
+
+
 def llama_bench(bin_dir: Path, model: Path) -> float:
-    out = subprocess.run(peer([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", "128", "-o", "json"]),
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(llama_bench_cmd(bin_dir, model), capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
     return float(rows[0]["avg_ts"])
 
