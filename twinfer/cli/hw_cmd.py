@@ -30,6 +30,9 @@ def run_hw(list_table: bool, json_out: bool, measure: bool, hardware: str) -> No
         out.update(gpus_per_node=cluster.gpus_per_node, nodes=cluster.nodes,
                    capacity_bytes_per_device=cluster.capacity_per_device, measured=measured,
                    notes=list(cluster.notes))
+        if cluster.device.cores:  # a CPU: what llama.cpp's kernels get here
+            out.update(cores=cluster.device.cores, repacks=list(cluster.device.repacks),
+                       huge_pages=cluster.device.huge_pages)
         print(json.dumps(out, indent=1))
     else:
         print(render_cluster(cluster, measured))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from twinfer.planners.hardware import Cluster, Device
+from twinfer.planners.hardware import CPU, Cluster, Device
 from twinfer.planners.plan import Plan
 from twinfer.planners.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
@@ -84,6 +84,9 @@ def render_cluster(cluster: Cluster, measured: dict[str, float]) -> str:
         f"link        {d.link} {d.interconnect_gbs:g} GB/s",
         f"source      {d.source}",
     ]
+    if d.kind == CPU and d.cores:
+        lines.insert(-1, f"llama.cpp   {d.cores} threads; repacks {', '.join(d.repacks) or 'no format'} into its tiles; "
+                         + ("weights on transparent huge pages" if d.huge_pages else "weights on 4 KiB pages (no THP)"))
     lines += [f"measured    {k}: {v:.1f} {'GB/s' if k.endswith('bandwidth') else 'GFLOP/s'}" for k, v in measured.items()]
     lines += [f"note        {n}" for n in cluster.notes]
     return "\n".join(lines)
