@@ -53,10 +53,14 @@ RUNS = [
     ("peers-run-epyc-8adb2e3.json", "epyc-avx512", None),
     ("peers-run-epyc-rotated-full.json", "epyc-avx512", None),
     ("peers-run-epyc-78b0b83.json", "epyc-avx512", None),
+    ("peers-run-epyc-f5c8a66.json", "epyc-avx512", None),  # runs 18, 19 and 21: out of sample for the kernel bound
+    ("peers-run-epyc-f5c8a66-b.json", "epyc-avx512", None),
+    ("peers-run-epyc-8294db8.json", "epyc-avx512", None),
     # the runner's weights on huge pages from here on (a fourth field: True)
     ("peers-run-epyc-hugepages.json", "epyc-avx512", None, True),
     ("plan-run-epyc-hugepages-b.json", "epyc-avx512", None, True),
     ("plan-run-epyc-hugepages-c.json", "epyc-avx512", None, True),
+    ("peers-run-epyc-hugepages-b.json", "epyc-avx512", None, True),  # run 24: out of sample for the factor
 ]
 FITTED_ON = 10
 
