@@ -21,11 +21,17 @@ MAPS = """\
 
 def test_the_kernel_mode_is_the_bracketed_word(tmp_path: Path):
     f = tmp_path / "enabled"
+    alone = tmp_path / "no-status"  # not this process's status: the verdict must not depend on the host
     f.write_text("always [madvise] never\n")
-    assert thp_mode(f) == "madvise"
+    assert thp_mode(f, alone) == "madvise"
     f.write_text("[always] madvise never\n")
-    assert thp_mode(f) == "always"
+    assert thp_mode(f, alone) == "always"
     assert thp_mode(tmp_path / "missing") is None  # no THP (macOS, or a kernel without it)
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nTHP_enabled:\t0\n")
+    assert thp_mode(f, status) == "never"  # this process's THP turned off (PR_SET_THP_DISABLE)
+    status.write_text("Name:\tpython\nTHP_enabled:\t1\n")
+    assert thp_mode(f, status) == "always"
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       24576000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
     assert mem_available(info) == 20000000 * 1024 and mem_available(tmp_path / "none") is None

@@ -87,13 +87,20 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE_MODES = ("always", "madvise")  # THP modes in which memory that asks for huge pages gets them
 
 
-def thp_mode(path: Path = THP) -> str | None:
-    """The kernel's transparent-huge-page mode for anonymous memory ("always", "madvise", "never");
-    None without THP (macOS, Windows, a kernel built without it)."""
+def thp_mode(path: Path = THP, status: Path = Path("/proc/self/status")) -> str | None:
+    """The kernel's transparent-huge-page mode for this process's anonymous memory ("always", "madvise",
+    "never"); None without THP (macOS, Windows, a kernel built without it). A process whose THP was
+    turned off (`prctl(PR_SET_THP_DISABLE)`, which some container runtimes set and children inherit;
+    `THP_enabled: 0` in its status) gets "never" whatever the system's mode."""
     try:
         text = path.read_text()
     except OSError:
         return None
+    try:
+        if "THP_enabled:\t0" in status.read_text():
+            return "never"
+    except OSError:
+        pass
     return next((word[1:-1] for word in text.split() if word.startswith("[")), None)
 
 
