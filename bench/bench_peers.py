@@ -132,11 +132,13 @@ def twinfer_serve(env: dict[str, str] | None = None, flags: tuple[str, ...] = ()
     return _serve([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port), *flags], port, env)
 
 
-def llama_server(bin_dir: Path, model: Path) -> dict[str, Any]:
-    """The same traffic through `llama-server` with 16 slots of 4,096 tokens."""
+def llama_server(bin_dir: Path, model: Path, flags: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The same traffic through `llama-server` with 16 slots of 4,096 tokens (`flags` and `env` for
+    scripts that tune it)."""
     port = _free_port()
     return _serve(peer([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
-                        "-c", str(16 * 4096), "--no-webui"]), port)
+                        "-c", str(16 * 4096), "--no-webui", *flags]), port, env)
 
 
 def serve_pair(bin_dir: Path, model: Path, theirs_first: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
+import pytest
+
 from twinfer.backends.llamacpp import hugepages as hp
-from twinfer.runtime.cpu import mem_available, thp_mode
+from twinfer.runtime.cpu import HUGE_PAGE_MODES, mem_available, thp_mode
 
 MIB = 1 << 20
 
@@ -61,14 +65,26 @@ def test_only_whole_aligned_chunks_are_advised():
     assert hp.whole_chunks([(MIB, 7 * MIB), (8 * MIB, 9 * MIB)], 2 * MIB) == [(2 * MIB, 6 * MIB)]
 
 
-def test_huge_bytes_counts_the_mappings_the_ranges_fall_in():
-    smaps = """\
-7f0010000000-7f0030000000 rw-p 00000000 00:00 0
-Size:             524288 kB
-AnonHugePages:    262144 kB
-7f0040000000-7f0050000000 rw-p 00000000 00:00 0
-AnonHugePages:      4096 kB
-"""
-    assert hp.huge_bytes([(0x7F0012000000, 0x7F0014000000)], smaps) == 256 * MIB
-    assert hp.huge_bytes([(0x7F0060000000, 0x7F0062000000)], smaps) == 0
-    assert hp.huge_bytes([], smaps) == 0
+@pytest.mark.skipif(not hp.supported(), reason="mincore and MADV_COLLAPSE on Linux's /proc only")
+def test_only_chunks_wholly_in_memory_are_folded():
+    """Two chunks written whole and one with a single page: the third is not resident as a whole, so folding
+    leaves it on small pages (collapsing it would fill it); the two are folded where the kernel gives
+    huge pages, and nothing is where it gives none."""
+    size = 4 * hp.HUGE
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        view = ctypes.c_char.from_buffer(m)
+        start = ctypes.addressof(view)
+        lo = -(-start // hp.HUGE) * hp.HUGE  # the first whole chunk
+        offset = lo - start
+        m[offset : offset + 2 * hp.HUGE] = b"\1" * (2 * hp.HUGE)
+        m[offset + 2 * hp.HUGE] = 1
+        assert hp.resident_chunks(lo, lo + 3 * hp.HUGE) == [lo, lo + hp.HUGE]
+        folded = hp.fold([(lo, lo + 3 * hp.HUGE)])
+        assert folded in (0, 2 * hp.HUGE)
+        if thp_mode() in HUGE_PAGE_MODES:
+            assert folded == 2 * hp.HUGE
+        assert hp.resident_chunks(lo, lo + 3 * hp.HUGE) == [lo, lo + hp.HUGE]  # the third was not filled
+        del view
+    finally:
+        m.close()

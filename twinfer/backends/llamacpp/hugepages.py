@@ -10,13 +10,17 @@ twinfer has llama.cpp read the weights into its buffers (load mode "none") and m
 ranges that appeared since the load began `MADV_HUGEPAGE` at llama.cpp's first progress callback:
 the buffers then exist but hold nothing yet, so reading the file into them faults in 2 MiB pages. A
 2 MiB chunk touched before that (an allocator's header page) is folded afterwards (`MADV_COLLAPSE`,
-Linux 6.1+). Anonymous memory cannot be dropped and re-read the way mapped file pages can, and
+Linux 6.1+), as is the KV cache once the context exists (llama.cpp clears it, so it is all in memory);
+only chunks whose every page is in memory (`mincore`) are folded, since folding one with holes would
+fill them. Anonymous memory cannot be dropped and re-read the way mapped file pages can, and
 processes do not share it, so `wanted` keeps the mapping for a model over half the available memory.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import mmap
 import os
 import sys
 from collections.abc import Iterable
@@ -84,21 +88,57 @@ def whole_chunks(ranges: Iterable[Range], size: int = HUGE) -> list[Range]:
     return out
 
 
-def _maps() -> str:
+def maps() -> str:
     with open("/proc/self/maps") as f:
         return f.read()
 
 
+def mapped_since(before: list[Range]) -> list[Range]:
+    """The whole huge-page chunks of anonymous memory mapped since `before` (anonymous_ranges then)."""
+    return whole_chunks(new_ranges(anonymous_ranges(maps()), before))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.mincore.restype = ctypes.c_int
+    return libc
+
+
+def resident_chunks(start: int, end: int) -> list[int]:
+    """The chunks of [start, end) (huge-page aligned) whose every page is in memory (mincore)."""
+    import numpy as np
+
+    pages = (end - start) // mmap.PAGESIZE
+    vec = np.zeros(pages, np.uint8)
+    if _libc().mincore(start, end - start, vec.ctypes.data) != 0:
+        return []
+    full = (vec & 1).reshape(-1, HUGE // mmap.PAGESIZE).all(axis=1)
+    return [start + i * HUGE for i in np.flatnonzero(full).tolist()]
+
+
+def fold(ranges: list[Range]) -> int:
+    """Collapse every fully resident chunk of `ranges` into a huge page (MADV_COLLAPSE, Linux 6.1+; a chunk
+    already on one stays) and return the bytes now on huge pages. Chunks with a page never touched are
+    left alone: collapsing one would fill it, and resident memory would grow by what nobody wrote."""
+    done = 0
+    for start, end in ranges:
+        for chunk in resident_chunks(start, end):
+            if _libc().madvise(chunk, HUGE, MADV_COLLAPSE) == 0:
+                done += HUGE
+    return done
+
+
 class HugePageLoad:
-    """One model load onto huge pages: `callback` goes in llama_model_params.progress_callback (keep
-    this object alive until the load returns), `finish` after it. Every step is advice: where the
-    kernel refuses, the weights stay on small pages and the model runs as before."""
+    """One model load onto huge pages: `progress` goes in llama_model_params.progress_callback (keep this
+    object alive until the load returns), `finish` after it. Every step is advice: where the kernel
+    refuses, the weights stay on small pages and the model runs as before."""
 
     def __init__(self) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self._libc.madvise.restype = ctypes.c_int
-        self._before = anonymous_ranges(_maps())
+        self._before = anonymous_ranges(maps())
         self.advised: list[Range] = []
         self._seen = False
 
@@ -106,9 +146,9 @@ class HugePageLoad:
         """Mark what was mapped since the load began; from llama.cpp's first progress callback on,
         the weight buffers exist and are still empty."""
         self._seen = True
-        self.advised = whole_chunks(new_ranges(anonymous_ranges(_maps()), self._before))
+        self.advised = mapped_since(self._before)
         for start, end in self.advised:
-            self._libc.madvise(start, end - start, MADV_HUGEPAGE)
+            _libc().madvise(start, end - start, MADV_HUGEPAGE)
 
     def progress(self, _progress: float, _user: object) -> bool:
         if not self._seen:
@@ -120,12 +160,8 @@ class HugePageLoad:
 
     def finish(self) -> int:
         """Fold chunks still on small pages (touched before the advice) into huge ones, and return the
-        bytes of weights now on huge pages (0 where the kernel gave none)."""
-        live = anonymous_ranges(_maps())
-        for start, end in whole_chunks(_intersect(self.advised, live)):
-            for chunk in range(start, end, HUGE):  # chunk by chunk: one unpopulated chunk fails a whole call
-                self._libc.madvise(chunk, HUGE, MADV_COLLAPSE)
-        return huge_bytes(self.advised)
+        bytes of the load's memory on huge pages (0 where the kernel gave none)."""
+        return fold(whole_chunks(_intersect(self.advised, anonymous_ranges(maps()))))
 
 
 def _intersect(a: list[Range], b: list[Range]) -> list[Range]:
@@ -136,24 +172,6 @@ def _intersect(a: list[Range], b: list[Range]) -> list[Range]:
             if hi > lo:
                 out.append((lo, hi))
     return out
-
-
-def huge_bytes(ranges: list[Range], smaps: str | None = None) -> int:
-    """Bytes of `ranges` the kernel backs with huge pages (AnonHugePages of the mappings they fall in)."""
-    if not ranges:
-        return 0
-    if smaps is None:
-        with open("/proc/self/smaps") as f:
-            smaps = f.read()
-    total, inside = 0, False
-    for line in smaps.splitlines():
-        head = line.split(maxsplit=1)[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = any(start < r1 and r0 < end for r0, r1 in ranges)
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
-    return total
 
 
 def supported() -> bool:

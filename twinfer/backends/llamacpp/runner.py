@@ -221,6 +221,7 @@ class LlamaCppRunner(Runner):
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv,
                                  n_ubatch)
+        before = hugepages.anonymous_ranges(hugepages.maps()) if self.huge_page_bytes else None
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:
             self._free_model()
@@ -237,6 +238,13 @@ class LlamaCppRunner(Runner):
             self._free_model()
             raise
         self._closed = False
+        # the KV cache, written whole when llama.cpp clears it, onto huge pages too (its compute buffers, still
+        # untouched, stay as they are). Folding copies it, so only a cache no bigger than the weights is folded:
+        # opening then costs at most what reading the weights did (serve's 16 streams of 4,096 tokens, 1.2 GB
+        # here, stay: their requests read little of it a step)
+        context = hugepages.mapped_since(before) if before is not None else []
+        small = sum(end - start for start, end in context) <= self.huge_page_bytes
+        self.huge_page_context_bytes = hugepages.fold(context) if small else 0
         self.n_ctx = int(lib.llama_n_ctx(self._ctx))
         self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
         self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
@@ -433,6 +441,7 @@ class LlamaCppRunner(Runner):
             "flash_attn": self.flash_attn,
             "repack": self.repack,
             "huge_page_weights_mb": round(self.huge_page_bytes / 2**20),  # 0: mapped or on 4 KiB pages
+            "huge_page_context_mb": round(self.huge_page_context_bytes / 2**20),  # the KV cache's, mostly
             "amx": self.amx,  # none | on | denied (its kernels crash in this build: kept out) | repack-off
             "kv_type": self.kv_type,
             "unified_kv": self.unified_kv,
