@@ -387,6 +387,21 @@ def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
         assert huge_mb > 0  # of 235 MB of weights (274 MB measured here: the advice covers whole chunks)
 
 
+def test_huge_pages_asked_for_where_there_are_none_load_mapped(model_path, monkeypatch):
+    """Off Linux (no /proc to find the buffers in) `huge_pages=True` is a no-op, not a crash."""
+    from twinfer.backends.llamacpp import hugepages
+
+    monkeypatch.setattr(hugepages, "supported", lambda: False)
+    monkeypatch.setattr(hugepages, "maps", lambda: pytest.fail("read /proc/self/maps off Linux"))
+    r = LlamaCppRunner(model_path, n_ctx=256, max_seqs=1, n_threads=THREADS, huge_pages=True)
+    try:
+        info = r.describe()
+        assert info["huge_page_weights_mb"] == 0 and info["huge_page_context_mb"] == 0
+        assert r.step(StepBatch([SeqChunk(1, [2, 9], 0)])).shape == (1, r.n_vocab)
+    finally:
+        r.close()
+
+
 def test_borrowed_logits_are_the_step_s_own_until_the_next_call(runner, tokens):
     """The engine's `step_borrowed` reads llama.cpp's logits buffer in place; `step` hands out a copy
     that a later decode leaves alone."""

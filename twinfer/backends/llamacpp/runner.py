@@ -80,11 +80,11 @@ def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | No
     if hasattr(params, "use_extra_bufts"):
         params.use_extra_bufts = repack  # CPU weight repacking: its 4-row GEMM tiles break batch invariance
     if huge_pages is None:
-        huge_pages = hugepages.supported() and hugepages.wanted(
-            path.stat().st_size, thp_mode(), mem_available())
+        huge_pages = hugepages.wanted(path.stat().st_size, thp_mode(), mem_available())
     load = callback = None
     fields = {name for name, _ in type(params)._fields_}
-    if huge_pages and fields & {"load_mode", "use_mmap"} and hasattr(lib, "llama_progress_callback"):
+    able = hugepages.supported() and bool(fields & {"load_mode", "use_mmap"}) and hasattr(lib, "llama_progress_callback")
+    if huge_pages and able:  # asked for, or wanted here; nothing to do off Linux
         load = hugepages.HugePageLoad()
         callback = lib.llama_progress_callback(load.progress)  # referenced until the load returns
         if "load_mode" in fields:
