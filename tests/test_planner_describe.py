@@ -104,7 +104,39 @@ def test_plan_and_hw_commands_take_a_description(tmp_path: Path, capsys: pytest.
     assert row["memory_gb"] == 48 and row["tensor_tflops"] == {"bf16": 366} and "kind assumed gpu" in row["source"]
 
 
+def test_a_described_cpu_says_what_llama_cpp_kernels_get(tmp_path: Path) -> None:
+    """`cores`, `repacks` and `huge_pages` give a described CPU the kernel-streaming bound and the huge-page
+    factor a probed one gets: with 2 cores the plan is slower than the memory alone allows, and faster on
+    huge pages; without `cores` the source says no bound applies."""
+    from twinfer.planners.plan import make_plan
+    from twinfer.planners.search import Request
+    from twinfer.planners.source import resolve
+
+    base = "cpu:memory=24GB,bandwidth=60GB/s,vector=0.2TFLOPS,int8=0.8TOPS,clock=3.1GHz"
+    bare = resolve_cluster(base)
+    assert bare.device.cores == 0 and "no bound from llama.cpp's kernels" in bare.device.source
+    cores = resolve_cluster(base + ",cores=2,repacks=q4_0/q4_k")
+    huge = resolve_cluster(base + ",cores=2,repacks=q4_0/q4_k,huge_pages=yes")
+    assert cores.device.cores == 2 and cores.device.repacks == ("q4_0", "q4_k") and huge.device.huge_pages
+    path = tmp_path / "cpu.toml"
+    path.write_text('kind = "cpu"\nmemory_gb = 24\nbandwidth_gbs = 60\nvector_tflops = 0.2\nclock_ghz = 3.1\n'
+                    'cores = 2\nrepacks = ["q4_0", "q4_k"]\nhuge_pages = true\n[tensor_tflops]\nint8 = 0.8\n')
+    if sys.version_info >= (3, 11):  # tomllib
+        from_file = resolve_cluster(str(path)).device
+        assert (from_file.cores, from_file.repacks, from_file.huge_pages) == (2, ("q4_0", "q4_k"), True)
+
+    def decode(cluster):
+        return make_plan(resolve(None), cluster, Request(64, 1)).to_json()["predicted"]["decode_tokens_per_s"]
+
+    assert decode(cores) < decode(bare) * 0.9  # the kernels, not 60 GB/s, set the pace on 2 cores
+    assert decode(huge) > decode(cores) * 1.05
+
+
 @pytest.mark.parametrize("text,message", [
+    ("cpu:memory=24GB,bandwidth=60GB/s,vector=1,cores=two", "cores: cannot read 'two'; write e.g. cores=8"),
+    ("cpu:memory=24GB,bandwidth=60GB/s,vector=1,huge_pages=maybe", "huge_pages: cannot read 'maybe'"),
+    ("cpu:memory=24GB,bandwidth=60GB/s,vector=1,repacks=q4_0/q9_z", "repacks: q9_z is not a weight format"),
+    ("gpu:memory=24GB,bandwidth=1008GB/s,bf16=165,cores=8", "cores describe a CPU's llama.cpp kernels"),
     ("gpu:bandwidth=1008GB/s,bf16=165", "memory_gb is missing; write e.g. memory=24GB"),
     ("gpu:memory=24GB,bf16=165", "bandwidth_gbs is missing; write e.g. bandwidth=1008GB/s"),
     ("gpu:memory=24GB,bandwidth=fast,bf16=165", "bandwidth_gbs: cannot read 'fast'; write e.g. bandwidth=1008GB/s"),

@@ -37,10 +37,14 @@ NUMBERS: dict[str, tuple[dict[str, float], str]] = {
 }
 TEXTS = {"kind": "kind=gpu (or cpu, apple)", "label": "label=My card", "link": "link=pcie4",
          "memory_type": "memory_type=gddr (or hbm, lpddr, ddr)", "max_per_node": "max_per_node=4"}
+# CPUs only: what llama.cpp's kernels get there (cost._kernel_stream_s, cost.on_huge_pages)
+CPU_KEYS = {"cores": "cores=8 (physical cores llama.cpp computes on)",
+            "repacks": "repacks=q4_0/q4_k/iq4_nl/mxfp4 (formats llama.cpp repacks on this ISA)",
+            "huge_pages": "huge_pages=yes (Linux gives transparent huge pages)"}
 SHORT = {"memory": "memory_gb", "mem": "memory_gb", "bandwidth": "bandwidth_gbs", "bw": "bandwidth_gbs",
          "vector": "vector_tflops", "clock": "clock_ghz", "interconnect": "interconnect_gbs",
          "storage": "storage_gbs", "host_link": "host_link_gbs", "per_node": "max_per_node", "name": "label"}
-KNOWN = (*NUMBERS, *TEXTS, "tensor_tflops")
+KNOWN = (*NUMBERS, *TEXTS, *CPU_KEYS, "tensor_tflops")
 _DEFAULT_CLOCK = {GPU: 1.8, APPLE: 1.4, CPU: 3.0}
 
 
@@ -89,8 +93,35 @@ def _fields(raw: dict[str, Any], origin: str) -> dict[str, Any]:
             out[key] = _number(key, v, origin)
         elif key in TEXTS:
             out[key] = str(v).strip()
+        elif key in CPU_KEYS:
+            out[key] = _cpu_key(key, v, origin)
         else:
             raise PlanError(f"{origin}: unknown key {k!r}; known keys: {', '.join(KNOWN)} (docs/hardware.md)")
+    return out
+
+
+def _cpu_key(key: str, value: Any, origin: str) -> Any:
+    """`cores` a whole number, `repacks` format names ("/"-separated inline, a list in a file),
+    `huge_pages` yes or no."""
+    from twinfer.planners.formats import FORMATS
+
+    bad = PlanError(f"{origin}: {key}: cannot read {value!r}; write e.g. {CPU_KEYS[key]}")
+    if key == "cores":
+        if isinstance(value, bool) or not str(value).strip().isdigit() or int(value) < 1:
+            raise bad
+        return int(value)
+    if key == "huge_pages":
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word not in ("yes", "no", "true", "false", "1", "0"):
+            raise bad
+        return word in ("yes", "true", "1")
+    names = value if isinstance(value, list) else str(value).replace(",", "/").split("/")
+    out = tuple(str(n).strip().lower() for n in names if str(n).strip())
+    unknown = [n for n in out if n not in FORMATS]
+    if unknown:
+        raise PlanError(f"{origin}: repacks: {', '.join(unknown)} is not a weight format; write e.g. {CPU_KEYS[key]}")
     return out
 
 
@@ -203,6 +234,11 @@ def describe_device(f: dict[str, Any], origin: str = "--hardware") -> Device:
     per_node = f.get("max_per_node", "8" if kind == GPU else "1")
     if not str(per_node).isdigit():
         raise PlanError(f"{origin}: max_per_node must be a whole number of devices, e.g. max_per_node=4")
+    given = [k for k in CPU_KEYS if k in f]
+    if given and kind != CPU:
+        raise PlanError(f"{origin}: {', '.join(given)} describe a CPU's llama.cpp kernels; this device is kind={kind}")
+    if kind == CPU and "cores" not in f:
+        assumed.append("cores not given, so no bound from llama.cpp's kernels (cores=8 sets one)")
     mem, bw = f["memory_gb"], f["bandwidth_gbs"]
     label = f.get("label") or f"described {kind} ({mem:g} GB, {bw:g} GB/s)"
     source = f"described by {origin}" + (f"; {'; '.join(assumed)}" if assumed else "")
@@ -211,6 +247,7 @@ def describe_device(f: dict[str, Any], origin: str = "--hardware") -> Device:
         memory_type=mtype, interconnect_gbs=ic, link=link, tensor_tflops=tensor, vector_tflops=vector,
         clock_ghz=f.get("clock_ghz", _DEFAULT_CLOCK[kind]), source=source, chip=label, host_link_gbs=host,
         storage_gbs=f.get("storage_gbs", 0.0), max_per_node=int(per_node),
+        cores=f.get("cores", 0), repacks=f.get("repacks", ()), huge_pages=f.get("huge_pages", False),
     )
 
 
