@@ -77,9 +77,9 @@ DEFAULTS: dict[str, Efficiency] = {
     # fitted on the 2-core AVX-512 EPYC, where DRAM read 20-43 GB/s and decode followed the kernels: Gemma 3
     # 270M's Q8_0/Q5_0 weights at about 3 bytes a cycle a core; the 1B Q4_K model's repacked weights at about
     # 8 or faster once its Q6_K runs at 3, so that bound does not bind there (docs/planner-accuracy.md, "Kernels, not DRAM")
-    # huge_pages: the runner's weights on 2 MiB pages decoded Gemma 3 270M 13% faster in an A/B (75-80 -> 82-92
-    # tok/s) and 11-27% above the plan without it in three runs; 1.15 left its six comparisons within -13..+11%
-    # (1.2: -10..+14%) (docs/planner-accuracy.md, "Huge pages")
+    # huge_pages: the runner's weights on 2 MiB pages decoded Gemma 3 270M 14% faster in an in-process A/B
+    # (medians 76.3 -> 87.0 tok/s), and the plan without it was 0-23% low in three runs' six comparisons;
+    # 1.15 left them within -13..+11% (1.2: -10..+14%) (docs/planner-accuracy.md, "Huge pages")
     "llamacpp/cpu": Efficiency(bandwidth=0.82, tensor=0.5, vector=0.35, attention=0.49, overlap_loss=0.25,
                                layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3, stream_plain=3.0,
                                stream_repacked=8.0, huge_pages=1.15),

@@ -16,6 +16,7 @@ from twinfer.planners.calibration import Calibration, Efficiency
 from twinfer.planners.formats import COMPONENTS, FORMATS, KVFormat, Mix
 from twinfer.planners.hardware import CPU, Cluster, Device
 from twinfer.planners.model import ModelProfile
+from twinfer.runtime.cpu import huge_pages_fit
 
 
 @dataclass(frozen=True)
@@ -168,10 +169,9 @@ def _kernel_stream_s(profile: ModelProfile, dev: Device, eff: Efficiency, mix: M
 
 
 def on_huge_pages(profile: ModelProfile, dev: Device, mix: Mix) -> bool:
-    """Whether the llama.cpp runner puts these weights on huge pages: where the kernel gives them, for a
-    model of at most half the memory (backends/llamacpp/hugepages.py; the runner asks the memory available
-    when it loads, the plan the device's size)."""
-    return dev.kind == CPU and dev.huge_pages and 2 * profile.weight_bytes(mix) <= dev.memory_gb * 1e9
+    """Whether the llama.cpp runner puts these weights on huge pages: where the kernel gives them, and by
+    the runner's own rule for their size (`huge_pages_fit`, backends/llamacpp/hugepages.py)."""
+    return dev.kind == CPU and dev.huge_pages and huge_pages_fit(profile.weight_bytes(mix), dev.memory_gb * 1e9)
 
 
 def _fixed_cycles(profile: ModelProfile, eff: Efficiency, layers: float) -> float:

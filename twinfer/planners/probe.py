@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -397,9 +398,8 @@ def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
 
     a = np.random.default_rng(0).random((n, n), dtype=np.float32)
     b = a.T.copy()
-    # every product into one array: a fresh 16 MB result per product would come from the heap once glibc's
-    # mmap threshold rose past it (the first one freed raises it), and the heap kept ~28 MB after, which a
-    # --memory-budget run's first-run peak then carried on top of the model
+    # every product into one array: with a fresh 16 MB result per product one measurement took the process
+    # from 30 to 58 MB of RSS, with one array to 42 MB (the 2-core EPYC)
     c = np.empty_like(a)
     for _ in range(2):  # the BLAS threads start and the pages are touched (one product was not enough)
         np.matmul(a, b, out=c)
@@ -416,11 +416,10 @@ def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
 
 def measure_cpu_gemm_apart() -> float:
     """`measure_cpu_gemm` in a child interpreter (it caches the rate there), in-process if that fails. The
-    planner measures before a `--memory-budget` run opens its model, and in-process the product left ~30 MB
-    behind for that run's peak to carry: OpenBLAS's per-thread buffers, and 16 MB arrays that, once
-    freed, raise glibc's mmap threshold so later buffers of that size come from a heap that keeps them."""
-    import sys
-
+    planner measures before a `--memory-budget` run opens its model, and in-process the measurement raised
+    that run's first peak by about 30 MB (`generate --memory-budget 400MB`: 497 MB, 468 MB with the rate
+    already cached, 470 MB measured in a child): the product leaves memory behind in the process (12 MB of
+    RSS even with one result array; OpenBLAS's per-thread buffers, probably), which a child takes with it."""
     code = "from twinfer.planners.probe import measure_cpu_gemm; print(measure_cpu_gemm())"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

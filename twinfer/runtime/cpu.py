@@ -104,6 +104,13 @@ def thp_mode(path: Path = THP, status: Path = Path("/proc/self/status")) -> str 
     return next((word[1:-1] for word in text.split() if word.startswith("[")), None)
 
 
+def huge_pages_fit(model_bytes: float, memory_bytes: float | None) -> bool:
+    """The llama.cpp runner's rule for weights on huge pages: at most half the memory. A bigger model stays
+    mapped, where the kernel can drop and re-read its pages instead of swapping, and processes share them.
+    The runner asks the memory available when it loads; a plan, the device's size."""
+    return memory_bytes is not None and 2 * model_bytes <= memory_bytes
+
+
 def mem_available(path: Path = Path("/proc/meminfo")) -> int | None:
     """Bytes the kernel says it can give without swapping (MemAvailable), or None where it does not say."""
     try:

@@ -1,10 +1,11 @@
 """Weights on 2 MiB pages: llama.cpp's model buffers backed by transparent huge pages (Linux).
 
-A CPU decode step reads every weight once. On 4 KiB pages that walk costs a TLB miss every 4 KiB,
+A CPU decode step reads every weight once. On 4 KiB pages that walk needs a new TLB entry every 4 KiB,
 and llama.cpp asks for nothing better: it maps the GGUF (page-cache pages) or reads it into buffers
 from `malloc`, and under the kernel's usual THP mode, `madvise`, neither gets a huge page. Measured
-with llama.cpp's own `llama-bench` tg128 (Gemma 3 270M Q4_K_M, 2-core EPYC Zen 4): mapped 76-78
-tok/s, read into anonymous memory 70-78, the same on huge pages (glibc's `hugetlb` tunable) 83-92.
+with llama.cpp's own `llama-bench` tg128 (Gemma 3 270M Q4_K_M, 2-core EPYC Zen 4, medians of eight
+rotating rounds, docs/data/hugepages-ab-epyc.json): mapped 75.5 tok/s, read into anonymous memory 74.0,
+the same on huge pages (glibc's `hugetlb` tunable) 83.7.
 
 twinfer has llama.cpp read the weights into its buffers (load mode "none") and marks the address
 ranges that appeared since the load began `MADV_HUGEPAGE` at llama.cpp's first progress callback:
@@ -25,7 +26,9 @@ import os
 import sys
 from collections.abc import Iterable
 
-from twinfer.runtime.cpu import HUGE_PAGE_MODES
+import numpy as np
+
+from twinfer.runtime.cpu import HUGE_PAGE_MODES, huge_pages_fit
 
 
 def _pmd_bytes(path: str = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") -> int:
@@ -44,10 +47,9 @@ Range = tuple[int, int]
 
 
 def wanted(model_bytes: int, mode: str | None, available: int | None) -> bool:
-    """Whether to load weights onto huge pages: the kernel gives them (`thp_mode` "always" or
-    "madvise"), and the model is at most half the available memory (a bigger one stays mapped, where
-    the kernel can drop and re-read its pages instead of swapping, and other processes share them)."""
-    return mode in HUGE_PAGE_MODES and available is not None and model_bytes * 2 <= available
+    """Whether to load weights onto huge pages: the kernel gives them (`thp_mode` "always" or "madvise")
+    and the model fits the rule (`huge_pages_fit`: at most half the available memory)."""
+    return mode in HUGE_PAGE_MODES and huge_pages_fit(model_bytes, available)
 
 
 def anonymous_ranges(maps: str) -> list[Range]:
@@ -93,9 +95,14 @@ def maps() -> str:
         return f.read()
 
 
+def snapshot() -> list[Range]:
+    """This process's anonymous mappings now, to compare a later `mapped_since` against."""
+    return anonymous_ranges(maps())
+
+
 def mapped_since(before: list[Range]) -> list[Range]:
-    """The whole huge-page chunks of anonymous memory mapped since `before` (anonymous_ranges then)."""
-    return whole_chunks(new_ranges(anonymous_ranges(maps()), before))
+    """The whole huge-page chunks of anonymous memory mapped since `before` (a `snapshot`)."""
+    return whole_chunks(new_ranges(snapshot(), before))
 
 
 @functools.cache
@@ -110,8 +117,6 @@ def _libc() -> ctypes.CDLL:
 
 def resident_chunks(start: int, end: int) -> list[int]:
     """The chunks of [start, end) (huge-page aligned) whose every page is in memory (mincore)."""
-    import numpy as np
-
     pages = (end - start) // mmap.PAGESIZE
     vec = np.zeros(pages, np.uint8)
     if _libc().mincore(start, end - start, vec.ctypes.data) != 0:
@@ -138,22 +143,18 @@ class HugePageLoad:
     refuses, the weights stay on small pages and the model runs as before."""
 
     def __init__(self) -> None:
-        self._before = anonymous_ranges(maps())
-        self.advised: list[Range] = []
-        self._seen = False
-
-    def advise(self) -> None:
-        """Mark what was mapped since the load began; from llama.cpp's first progress callback on,
-        the weight buffers exist and are still empty."""
-        self._seen = True
-        self.advised = mapped_since(self._before)
-        for start, end in self.advised:
-            _libc().madvise(start, end - start, MADV_HUGEPAGE)
+        self._before = snapshot()
+        self.advised: list[Range] | None = None  # None until llama.cpp's first progress callback
 
     def progress(self, _progress: float, _user: object) -> bool:
-        if not self._seen:
+        """llama.cpp's progress callback. At its first call the weight buffers exist and are still empty:
+        mark what was mapped since the load began."""
+        if self.advised is None:
+            self.advised = []
             try:
-                self.advise()
+                self.advised = mapped_since(self._before)
+                for start, end in self.advised:
+                    _libc().madvise(start, end - start, MADV_HUGEPAGE)
             except Exception:  # noqa: BLE001 - advice only: a failure here must not fail the load
                 self.advised = []
         return True  # go on loading
@@ -161,7 +162,7 @@ class HugePageLoad:
     def finish(self) -> int:
         """Fold chunks still on small pages (touched before the advice) into huge ones, and return the
         bytes of the load's memory on huge pages (0 where the kernel gave none)."""
-        return fold(whole_chunks(_intersect(self.advised, anonymous_ranges(maps()))))
+        return fold(whole_chunks(_intersect(self.advised or [], snapshot())))
 
 
 def _intersect(a: list[Range], b: list[Range]) -> list[Range]:
