@@ -80,7 +80,8 @@ def test_only_chunks_wholly_in_memory_are_folded():
         m[offset : offset + 2 * hp.HUGE] = b"\1" * (2 * hp.HUGE)
         m[offset + 2 * hp.HUGE] = 1
         assert hp.resident_chunks(lo, lo + 3 * hp.HUGE) == [lo, lo + hp.HUGE]
-        folded = hp.fold([(lo, lo + 3 * hp.HUGE)])
+        assert hp.fold([(lo, lo + 3 * hp.HUGE)], limit=hp.HUGE) == 0  # two whole chunks: over a one-chunk limit
+        folded = hp.fold([(lo, lo + 3 * hp.HUGE)], limit=2 * hp.HUGE)
         assert folded in (0, 2 * hp.HUGE)
         if thp_mode() in HUGE_PAGE_MODES:
             assert folded == 2 * hp.HUGE

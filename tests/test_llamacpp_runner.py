@@ -364,27 +364,30 @@ def test_the_persistent_thread_pool_changes_no_logit(model_path, runner, tokens,
 
 def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
     """Where the weights live (mapped file pages, or llama.cpp's buffers on 2 MiB pages) moves no logit;
-    on a kernel that gives huge pages, the weights get them."""
+    on a kernel that gives huge pages, the weights get them, and so does the KV cache (18 MB at 1,024
+    tokens, well under the weights), though the context's address ranges are mostly untouched buffers."""
     from twinfer.backends.llamacpp import hugepages
     from twinfer.runtime.cpu import HUGE_PAGE_MODES, thp_mode
 
     runs = []
     for huge in (True, False):
-        r = LlamaCppRunner(model_path, n_ctx=256, max_seqs=1, n_threads=THREADS, huge_pages=huge)
+        r = LlamaCppRunner(model_path, n_ctx=1024, max_seqs=1, n_threads=THREADS, huge_pages=huge)
         try:
             toks = tokens[0]
             out = [r.step(StepBatch([SeqChunk(1, toks, 0, logits=LogitsWanted.ALL)]))]
             for i in range(3):
                 out.append(r.step(StepBatch([SeqChunk(1, [int(np.argmax(out[-1][-1]))], len(toks) + i)])))
-            runs.append((out, r.describe()["huge_page_weights_mb"]))
+            info = r.describe()
+            runs.append((out, info["huge_page_weights_mb"], info["huge_page_context_mb"]))
         finally:
             r.close()
-    (huge_out, huge_mb), (mapped_out, mapped_mb) = runs
+    (huge_out, huge_mb, huge_kv_mb), (mapped_out, mapped_mb, mapped_kv_mb) = runs
     for a, b in zip(huge_out, mapped_out, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert mapped_mb == 0
+    assert mapped_mb == mapped_kv_mb == 0
     if hugepages.supported() and thp_mode() in HUGE_PAGE_MODES:
         assert huge_mb > 0  # of 235 MB of weights (274 MB measured here: the advice covers whole chunks)
+        assert huge_kv_mb > 0
 
 
 def test_huge_pages_asked_for_where_there_are_none_load_mapped(model_path, monkeypatch):

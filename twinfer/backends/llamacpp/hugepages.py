@@ -125,16 +125,15 @@ def resident_chunks(start: int, end: int) -> list[int]:
     return [start + i * HUGE for i in np.flatnonzero(full).tolist()]
 
 
-def fold(ranges: list[Range]) -> int:
+def fold(ranges: list[Range], limit: float | None = None) -> int:
     """Collapse every fully resident chunk of `ranges` into a huge page (MADV_COLLAPSE, Linux 6.1+; a chunk
-    already on one stays) and return the bytes now on huge pages. Chunks with a page never touched are
-    left alone: collapsing one would fill it, and resident memory would grow by what nobody wrote."""
-    done = 0
-    for start, end in ranges:
-        for chunk in resident_chunks(start, end):
-            if _libc().madvise(chunk, HUGE, MADV_COLLAPSE) == 0:
-                done += HUGE
-    return done
+    already on one stays) and return the bytes now on huge pages; nothing where those chunks hold more
+    than `limit` bytes (collapsing copies them). Chunks with a page never touched are left alone:
+    collapsing one would fill it, and resident memory would grow by what nobody wrote."""
+    chunks = [chunk for start, end in ranges for chunk in resident_chunks(start, end)]
+    if limit is not None and len(chunks) * HUGE > limit:
+        return 0
+    return HUGE * sum(_libc().madvise(chunk, HUGE, MADV_COLLAPSE) == 0 for chunk in chunks)
 
 
 class HugePageLoad:

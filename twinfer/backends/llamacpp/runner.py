@@ -240,10 +240,10 @@ class LlamaCppRunner(Runner):
         # the KV cache onto huge pages too: llama.cpp clears it, so it is all in memory (its compute buffers,
         # still untouched, are not folded). Folding copies it, so only a cache no bigger than the weights is
         # folded: serve's 16 streams of 4,096 tokens, 1.2 GB here, took 0.3-1.1 s, for requests that read
-        # little of it a step
+        # little of it a step. The limit counts what is in memory: the context's address ranges also hold
+        # hundreds of MB of compute buffers never touched
         context = hugepages.mapped_since(before) if before is not None else []
-        small = sum(end - start for start, end in context) <= self.huge_page_bytes
-        self.huge_page_context_bytes = hugepages.fold(context) if small else 0
+        self.huge_page_context_bytes = hugepages.fold(context, limit=self.huge_page_bytes)
         self.n_ctx = int(lib.llama_n_ctx(self._ctx))
         self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
         self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
