@@ -105,7 +105,7 @@ def _free_port() -> int:
 
 def llama_cpp_server(threads: int, path: str) -> dict[str, Any]:
     """llama-cpp-python's bundled server at 16 concurrent clients, 64/64 tokens, completions API."""
-    from twinfer.runtime.server.http_bench import run_http_bench
+    from twinfer.server.http_bench import run_http_bench
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", path, "--port", str(port),
@@ -130,7 +130,7 @@ def llama_cpp_server(threads: int, path: str) -> dict[str, Any]:
 
 def twinfer_server(threads: int, clients: int = 16, requests: int = 2) -> dict[str, Any]:
     """`twinfer serve` on the default model at `clients` concurrent HTTP clients, 64/64 tokens."""
-    from twinfer.runtime.server.http_bench import run_http_bench
+    from twinfer.server.http_bench import run_http_bench
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "twinfer.cli.main", "serve", "--port", str(port),

@@ -84,7 +84,7 @@ def perfect_batching_ceiling() -> float:
 def _serve(cmd: list[str], port: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     import httpx
 
-    from twinfer.runtime.server.http_bench import run_http_bench
+    from twinfer.server.http_bench import run_http_bench
 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, **env} if env else None)

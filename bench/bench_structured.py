@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from twinfer.runtime.server.http_bench import run_http_bench
+from twinfer.server.http_bench import run_http_bench
 
 # Room for about 64 tokens of output: a list of short strings the grammar keeps open.
 SCHEMA = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},

@@ -18,7 +18,7 @@ pytest.importorskip("llguidance")
 from test_server import MODEL, Tiny, build_tiny, one_torch_thread  # noqa: E402
 from test_server_agent import WEATHER, serving  # noqa: E402
 
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 TOOLS = [{"name": "get_weather", "description": "Weather forecast", "input_schema": WEATHER}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]

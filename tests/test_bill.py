@@ -94,8 +94,8 @@ def served() -> Iterator[dict[str, Any]]:
     from twinfer.app.models import open_model
     from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig
     from twinfer.runtime.engine.async_engine import AsyncEngine
-    from twinfer.runtime.server import create_app
-    from twinfer.runtime.server.serve import ServerThread
+    from twinfer.server import create_app
+    from twinfer.server.serve import ServerThread
 
     o = open_model(None, "llamacpp", max_seqs=SEQS, ctx=CTX, threads=1)
     engine = Engine(o.runner, o.tokenizer, EngineConfig(max_seqs=SEQS, max_context=CTX, replica="r0"))

@@ -32,8 +32,8 @@ from twinfer.quant.remote import measure_remote_kl  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
 from twinfer.runtime.errors import TwinferError  # noqa: E402
-from twinfer.runtime.server import create_app  # noqa: E402
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server import create_app  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 from twinfer.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 TOKENS, WINDOW = 32, 33  # one window: BOS + 32 tokens, 32 scored rows

@@ -26,7 +26,7 @@ from twinfer.runtime.engine import Engine, EngineConfig, SamplingParams  # noqa:
 from twinfer.runtime.errors import RequestError  # noqa: E402
 from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
 from twinfer.runtime.tokenizer.harmony import render_harmony  # noqa: E402
-from twinfer.runtime.tools.plan import plan_tools  # noqa: E402
+from twinfer.server.tools.plan import plan_tools  # noqa: E402
 
 CONTROL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
            "<|endoftext|>"]
@@ -162,8 +162,8 @@ def test_a_tool_chain_keeps_its_reasoning_and_ends_calls_with_call() -> None:
 def test_gpt_oss_chat_through_the_server() -> None:
     openai = pytest.importorskip("openai")
     from twinfer.runtime.engine.async_engine import AsyncEngine
-    from twinfer.runtime.server import create_app
-    from twinfer.runtime.server.serve import ServerThread
+    from twinfer.server import create_app
+    from twinfer.server.serve import ServerThread
 
     tok = harmony_tokenizer()
     engine = AsyncEngine(Engine(HashRunner(tok.vocab_size, seed=1), tok, EngineConfig(max_seqs=4, max_context=4096)))
@@ -203,8 +203,8 @@ def test_a_tiny_gpt_oss_model_calls_a_tool_through_the_server(tmp_path: Path) ->
     from twinfer.backends.cuda.runner import build_torch_runner
     from twinfer.runtime.engine.async_engine import AsyncEngine
     from twinfer.runtime.loaders import load_model
-    from twinfer.runtime.server import create_app
-    from twinfer.runtime.server.serve import ServerThread
+    from twinfer.server import create_app
+    from twinfer.server.serve import ServerThread
 
     tok = harmony_tokenizer()
     eos = sorted(tok.eos_ids)

@@ -16,7 +16,7 @@ import pytest
 import twinfer
 
 PACKAGE = Path(twinfer.__file__).parent
-FACES = ("cli", "tui")
+FACES = ("cli", "tui", "server")
 FORBIDDEN = {  # layer -> the layers it must never import
     "runtime": ("planners", "quant", "backends", "app", *FACES),
     "quant": ("backends", "app", *FACES),
@@ -88,6 +88,14 @@ def test_runtime_imports_nothing_above_it() -> None:
     assert upward_imports()["runtime"] == []
 
 
+def test_runtime_holds_no_web_server() -> None:
+    """The HTTP server, its protocol models and the tool-call parsers are a face above the core."""
+    web = ("fastapi", "starlette", "uvicorn", "httpx", "pydantic")
+    found = [f"{p.relative_to(PACKAGE.parent)} imports {m}" for p in sorted((PACKAGE / "runtime").rglob("*.py"))
+             for _, m in imported(p) if m.split(".")[0] in web]
+    assert found == []
+
+
 def test_quant_never_imports_a_backend() -> None:
     assert upward_imports()["quant"] == []
 
@@ -103,8 +111,8 @@ NAMES_ALLOWED = {
     "runtime/models/__init__.py": "the registry itself (MODEL_TYPES, GGUF_ARCHS)",
     "runtime/tokenizer/convert.py": "llama.cpp's vocabulary names: tokenizer.ggml.model 'llama' (SentencePiece), "
                                     "tokenizer.ggml.pre 'qwen2' (a pre-tokenizer), not model types",
-    "runtime/tools/families.py": "'mistral' is a tool-call format ([TOOL_CALLS]), found from the chat template",
-    "runtime/tools/parsers.py": "'mistral' is that tool-call format's parser",
+    "server/tools/families.py": "'mistral' is a tool-call format ([TOOL_CALLS]), found from the chat template",
+    "server/tools/parsers.py": "'mistral' is that tool-call format's parser",
 }
 
 

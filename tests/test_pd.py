@@ -26,8 +26,8 @@ from twinfer.app.pd import attach_kv_connector, start_pd_proxy  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
 from twinfer.runtime.kv.connector import KVConnector  # noqa: E402
-from twinfer.runtime.server import create_app  # noqa: E402
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server import create_app  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 CTX, SEQS = 256, 4
 

@@ -26,8 +26,8 @@ from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
 from twinfer.runtime.engine.request import Request  # noqa: E402
 from twinfer.runtime.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from twinfer.runtime.kv.block_manager import BlockManager  # noqa: E402
-from twinfer.runtime.server import create_app  # noqa: E402
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server import create_app  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 NAME = "gemma-3-270m"
 PROMPT = "The quick brown fox jumps over the lazy dog because"

@@ -17,7 +17,7 @@ pytest.importorskip("llguidance")
 from test_server import MODEL, build_tiny, client, one_torch_thread  # noqa: E402
 from test_server_agent import WEATHER, serving  # noqa: E402
 
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}]
 

@@ -24,7 +24,7 @@ from test_server import MODEL, build_tiny, one_torch_thread  # noqa: E402
 from test_server_agent import WEATHER, serving  # noqa: E402
 from test_server_openapi import openapi_nullable  # noqa: E402
 
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 SPEC = json.loads((Path(__file__).parent / "data" / "openai_responses_schemas.json").read_text())
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast", "parameters": WEATHER,

@@ -27,8 +27,8 @@ from test_server import MODEL, NO_GUARD, Tiny, build_tiny, client, metric, one_t
 from twinfer.backends.cuda.runner import build_torch_runner  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
-from twinfer.runtime.server import create_app  # noqa: E402
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server import create_app  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 CTX = 2048  # the generic tool prompt is ~900 one-character tokens
 

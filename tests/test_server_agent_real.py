@@ -23,8 +23,8 @@ except ImportError:  # the layout before the app layer
 
 from twinfer.runtime.engine import Engine, EngineConfig  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
-from twinfer.runtime.server import create_app  # noqa: E402
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server import create_app  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 NAME = "gemma-3-270m-q4_k_m"
 WEATHER = {"type": "object", "properties": {

@@ -25,8 +25,8 @@ import twinfer.runtime.constraints.compile as compile_mod  # noqa: E402
 from twinfer.backends.cuda.runner import build_torch_runner  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
-from twinfer.runtime.server import create_app  # noqa: E402
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server import create_app  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 CTX = 512
 JSON_ASK = {"model": MODEL, "messages": [{"role": "user", "content": "a person"}], "max_tokens": 40,

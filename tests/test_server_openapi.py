@@ -25,7 +25,7 @@ pytest.importorskip("llguidance")
 from test_server import build_tiny, one_torch_thread  # noqa: E402
 from test_server_agent import ASK, TOOLS, serving  # noqa: E402
 
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 SPEC = json.loads((Path(__file__).parent / "data" / "openai_completions_schemas.json").read_text())
 

@@ -27,8 +27,8 @@ openai = pytest.importorskip("openai")
 from twinfer.app.models import OpenedModel, open_model  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
-from twinfer.runtime.server import create_app  # noqa: E402
-from twinfer.runtime.server.serve import ServerThread  # noqa: E402
+from twinfer.server import create_app  # noqa: E402
+from twinfer.server.serve import ServerThread  # noqa: E402
 
 CTX, SEQS, THREADS = 1024, 4, 1  # one thread: llama.cpp's spinning thread pool collapses on a shared 2-core machine
 NAME = "gemma-3-270m-q4_k_m"

@@ -229,7 +229,7 @@ def test_sampled_distribution_is_preserved(name: str | None) -> None:
 def test_metrics_snapshot_and_prometheus_counters() -> None:
     pytest.importorskip("prometheus_client")
     from twinfer.runtime.engine.async_engine import AsyncEngine
-    from twinfer.runtime.server.metrics import ServerMetrics
+    from twinfer.server.metrics import ServerMetrics
 
     e = spec_engine("ngram")
     e.generate(repetitive_prompts()[:2], GREEDY)

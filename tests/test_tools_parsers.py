@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from twinfer.runtime.tools.events import Delta
-from twinfer.runtime.tools.parsers import parser_for
-from twinfer.runtime.tools.reasoning import ReasoningParser
+from twinfer.server.tools.events import Delta
+from twinfer.server.tools.parsers import parser_for
+from twinfer.server.tools.reasoning import ReasoningParser
 
 NAMES = {"get_weather", "search"}
 
@@ -137,8 +137,8 @@ def test_follower_feeds_harmony_the_text_with_control_tokens() -> None:
     from test_constraints import char_tokenizer
 
     from twinfer.runtime.engine.request import RequestOutput
-    from twinfer.runtime.server.metrics import ServerMetrics
-    from twinfer.runtime.server.responses import Follower
+    from twinfer.server.metrics import ServerMetrics
+    from twinfer.server.responses import Follower
 
     tok = char_tokenizer()
     ids = tok.encode(HARMONY_FINAL, add_special_tokens=False) + [tok.bos_id]  # a control token the text skips

@@ -15,8 +15,8 @@ from twinfer.runtime.constraints import Constraint, Grammars  # noqa: E402
 from twinfer.runtime.constraints.mask import guide_for, row_masks  # noqa: E402
 from twinfer.runtime.errors import RequestError  # noqa: E402
 from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
-from twinfer.runtime.tools.families import MAX_PARALLEL_CALLS, family_of  # noqa: E402
-from twinfer.runtime.tools.plan import plan_tools  # noqa: E402
+from twinfer.server.tools.families import MAX_PARALLEL_CALLS, family_of  # noqa: E402
+from twinfer.server.tools.plan import plan_tools  # noqa: E402
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}

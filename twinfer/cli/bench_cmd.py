@@ -36,7 +36,7 @@ def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, outpu
     if url and parse_speculate(speculate)[0] != "off":
         raise TwinferError("--speculate applies to in-process runs; start the server with `twinfer serve --speculate`")
     if url:
-        from twinfer.runtime.server.http_bench import run_http_bench
+        from twinfer.server.http_bench import run_http_bench
 
         report = run_http_bench(url, levels, prompt_tokens, output_tokens, api_key,
                                 requests_per_client=requests_per_client)

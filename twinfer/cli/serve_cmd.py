@@ -28,8 +28,8 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               kv_layout: str = "auto", batch_wait_ms: float | None = None) -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
-    from twinfer.runtime.server import create_app
-    from twinfer.runtime.server.serve import make_server
+    from twinfer.server import create_app
+    from twinfer.server.serve import make_server
 
     if max_seqs < 1 or ctx < 16 or max_queue < 0 or max_body_mb <= 0 or not 0 <= (batch_wait_ms or 0) <= 1000 or (
             max_batch_tokens is not None and max_batch_tokens < 1):

@@ -21,17 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.engine.async_engine import EngineDead
-from twinfer.runtime.server import prompts
-from twinfer.runtime.server.errors import APIError
-from twinfer.runtime.server.handlers import SSE_HEADERS, collect, tool_plan
-from twinfer.runtime.server.knobs import Knobs
-from twinfer.runtime.server.responses import Follower, sse
-from twinfer.runtime.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
-from twinfer.runtime.server.structured import make_constraint
-from twinfer.runtime.tools.events import Delta, ToolCall
+from twinfer.server import prompts
+from twinfer.server.errors import APIError
+from twinfer.server.handlers import SSE_HEADERS, collect, tool_plan
+from twinfer.server.knobs import Knobs
+from twinfer.server.responses import Follower, sse
+from twinfer.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
+from twinfer.server.structured import make_constraint
+from twinfer.server.tools.events import Delta, ToolCall
 
 if TYPE_CHECKING:
-    from twinfer.runtime.server.app import ServerState
+    from twinfer.server.app import ServerState
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "loop": "end_turn"}
 

@@ -22,12 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from twinfer.runtime.constraints.spec import GrammarError
 from twinfer.runtime.engine.async_engine import AsyncEngine
 from twinfer.runtime.engine.params import GuardConfig
-from twinfer.runtime.server import anthropic, handlers, responses_api, tokens
-from twinfer.runtime.server.errors import APIError, from_validation
-from twinfer.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from twinfer.runtime.server.middleware import CountRequests, LimitBody, RequireApiKey
-from twinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from twinfer.runtime.server.tokens import DetokenizeRequest, TokenizeRequest
+from twinfer.server import anthropic, handlers, responses_api, tokens
+from twinfer.server.errors import APIError, from_validation
+from twinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from twinfer.server.middleware import CountRequests, LimitBody, RequireApiKey
+from twinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from twinfer.server.tokens import DetokenizeRequest, TokenizeRequest
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 

@@ -18,16 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from twinfer.runtime.engine.async_engine import EngineDead
 from twinfer.runtime.errors import RequestError
-from twinfer.runtime.server import prompts
-from twinfer.runtime.server.errors import APIError, error_body
-from twinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported
-from twinfer.runtime.server.responses import DONE, Follower, response, sse, usage_chunk
-from twinfer.runtime.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
-from twinfer.runtime.server.structured import constraint_of
-from twinfer.runtime.tools.plan import ToolPlan, plan_tools
+from twinfer.server import prompts
+from twinfer.server.errors import APIError, error_body
+from twinfer.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported
+from twinfer.server.responses import DONE, Follower, response, sse, usage_chunk
+from twinfer.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
+from twinfer.server.structured import constraint_of
+from twinfer.server.tools.plan import ToolPlan, plan_tools
 
 if TYPE_CHECKING:
-    from twinfer.runtime.server.app import ServerState
+    from twinfer.server.app import ServerState
 
 SHUTDOWN_MESSAGE = "the server shut down before this request finished; retry it"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -10,7 +10,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from twinfer.runtime.server.errors import error_bytes
+from twinfer.server.errors import error_bytes
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -14,10 +14,10 @@ from typing import Any
 from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.engine.params import GuardConfig, SamplingParams
 from twinfer.runtime.errors import ModelError, RequestError
-from twinfer.runtime.server.errors import APIError
-from twinfer.runtime.server.protocol import CompletionRequest
+from twinfer.server.errors import APIError
+from twinfer.server.protocol import CompletionRequest
 from twinfer.runtime.tokenizer.harmony import render_harmony
-from twinfer.runtime.tools.plan import ToolPlan
+from twinfer.server.tools.plan import ToolPlan
 
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
 MAX_STOP_STRINGS = 16

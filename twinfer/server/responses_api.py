@@ -20,14 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from twinfer.runtime.engine.async_engine import EngineDead
-from twinfer.runtime.server import prompts
-from twinfer.runtime.server.errors import APIError, error_body
-from twinfer.runtime.server.handlers import SSE_HEADERS, collect, tool_plan
-from twinfer.runtime.server.knobs import Knobs
-from twinfer.runtime.server.responses import Follower, sse
-from twinfer.runtime.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
-from twinfer.runtime.server.structured import constraint_of
-from twinfer.runtime.tools.events import Delta, ToolCall
+from twinfer.server import prompts
+from twinfer.server.errors import APIError, error_body
+from twinfer.server.handlers import SSE_HEADERS, collect, tool_plan
+from twinfer.server.knobs import Knobs
+from twinfer.server.responses import Follower, sse
+from twinfer.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
+from twinfer.server.structured import constraint_of
+from twinfer.server.tools.events import Delta, ToolCall
 
 
 class ResponsesRequest(BaseModel):
@@ -120,7 +120,7 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
 
 
 if TYPE_CHECKING:
-    from twinfer.runtime.server.app import ServerState
+    from twinfer.server.app import ServerState
 
 
 async def create(state: ServerState, request: Request, body: ResponsesRequest) -> Response:

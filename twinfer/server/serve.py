@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from twinfer.runtime.server.app import ServerState
+from twinfer.server.app import ServerState
 
 
 class DrainingServer(uvicorn.Server):

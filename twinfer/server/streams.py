@@ -22,7 +22,7 @@ from twinfer.runtime.engine.async_engine import AsyncEngine, EngineDead, Overloa
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import RequestOutput
 from twinfer.runtime.errors import RequestError
-from twinfer.runtime.server.errors import APIError
+from twinfer.server.errors import APIError
 
 
 class Choice:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from twinfer.runtime.constraints.spec import Constraint, GrammarError
-from twinfer.runtime.server.errors import APIError
+from twinfer.server.errors import APIError
 
 _VLLM_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "gbnf"}
 

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from twinfer.runtime.server import prompts
-from twinfer.runtime.server.errors import APIError
-from twinfer.runtime.server.protocol import ChatMessage, _Strict
+from twinfer.server import prompts
+from twinfer.server.errors import APIError
+from twinfer.server.protocol import ChatMessage, _Strict
 
 if TYPE_CHECKING:
-    from twinfer.runtime.server.app import ServerState
+    from twinfer.server.app import ServerState
 
 
 class TokenizeRequest(_Strict):

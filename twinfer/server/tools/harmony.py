@@ -13,8 +13,8 @@ import json
 import re
 from collections.abc import Collection
 
-from twinfer.runtime.tools.events import Delta, ToolCall, held_prefix
-from twinfer.runtime.tools.streaming import CallStreams
+from twinfer.server.tools.events import Delta, ToolCall, held_prefix
+from twinfer.server.tools.streaming import CallStreams
 
 MESSAGE, ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
 _RECIPIENT = re.compile(r"to=functions\.([\w.-]+)")

@@ -18,9 +18,9 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from twinfer.runtime.tools.events import Delta, ToolCall, held_prefix
-from twinfer.runtime.tools.harmony import HarmonyParser
-from twinfer.runtime.tools.streaming import CallStreams
+from twinfer.server.tools.events import Delta, ToolCall, held_prefix
+from twinfer.server.tools.harmony import HarmonyParser
+from twinfer.server.tools.streaming import CallStreams
 
 
 def _calls(items: Any, names: Collection[str], args_key: tuple[str, ...] = ("arguments", "parameters")

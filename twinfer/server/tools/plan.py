@@ -22,10 +22,10 @@ from typing import Any
 
 from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.errors import RequestError
-from twinfer.runtime.tools.events import OutputParser, PlainText
-from twinfer.runtime.tools.families import auto_grammar, call_grammar, family_of, generic_messages, thinks
-from twinfer.runtime.tools.parsers import parser_for
-from twinfer.runtime.tools.reasoning import ReasoningParser, after_thinking
+from twinfer.server.tools.events import OutputParser, PlainText
+from twinfer.server.tools.families import auto_grammar, call_grammar, family_of, generic_messages, thinks
+from twinfer.server.tools.parsers import parser_for
+from twinfer.server.tools.reasoning import ReasoningParser, after_thinking
 
 
 @dataclass

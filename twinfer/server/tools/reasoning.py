@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from twinfer.runtime.constraints.spec import Constraint
-from twinfer.runtime.tools.events import Delta, OutputParser, held_prefix
+from twinfer.server.tools.events import Delta, OutputParser, held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
 

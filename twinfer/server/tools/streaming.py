@@ -16,7 +16,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from twinfer.runtime.tools.events import CallPart, Delta, ToolCall, new_call_id
+from twinfer.server.tools.events import CallPart, Delta, ToolCall, new_call_id
 
 # `{"name": "NAME", "arguments": {` (or "parameters", Llama 3's key), the arguments' brace not consumed.
 HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
