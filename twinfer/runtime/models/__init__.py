@@ -31,6 +31,7 @@ MODEL_TYPES: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "gpt_oss": "gpt_oss",
+    "minimax_m2": "minimax_m2",
 }
 
 # GGUF general.architecture -> model file (llama.cpp stores Mixtral as "llama" with experts).
@@ -44,6 +45,7 @@ GGUF_ARCHS: dict[str, str] = {
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",
     "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
 }
 
 

@@ -1,0 +1,127 @@
+"""minimax_m2 (MiniMax-M2 / M2.5) and kimi_k25 (Kimi K2.5) on torch and MLX against transformers.
+
+Tiny random-weight transformers models (norms near 1, router score biases non-zero) are saved as
+fp32 safetensors and loaded by twinfer; logits must match transformers to 1e-4 on a prefill and 8
+greedy decode steps through the paged KV cache, for two sequences (test_arch_logits.py's workload).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("mlx.core")
+
+from fixtures_models import random_causal_lm  # noqa: E402
+from test_arch_logits import BUILDERS, TOL, _char_tokenizer, max_error  # noqa: E402
+
+from twinfer.runtime.errors import UnsupportedArchitecture  # noqa: E402
+from twinfer.runtime.loaders import load_model  # noqa: E402
+
+BASE = dict(vocab_size=128, hidden_size=64, max_position_embeddings=256, attn_implementation="eager")
+MINIMAX: dict[str, dict[str, Any]] = {
+    # heads / kv groups, experts and top-k, rotary_dim (partial or whole head)
+    "minimax_m2-a": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8),
+    "minimax_m2-b": dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1, head_dim=8,
+                         intermediate_size=24, num_local_experts=4, num_experts_per_tok=3, rotary_dim=4,
+                         rope_theta=500.0),
+    "minimax_m2-c": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                         intermediate_size=32, num_local_experts=6, num_experts_per_tok=1, rotary_dim=16),
+}  # fmt: skip
+_ROOT = tempfile.TemporaryDirectory()
+
+
+@cache
+def minimax_model(case: str) -> Any:
+    return random_causal_lm("MiniMaxM2", {**BASE, **MINIMAX[case]})
+
+
+@cache
+def minimax_saved(case: str) -> Path:
+    path = Path(_ROOT.name) / case
+    minimax_model(case).save_pretrained(path)
+    return path
+
+
+# -- minimax_m2 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", sorted(BUILDERS))
+@pytest.mark.parametrize("case", list(MINIMAX))
+def test_minimax_m2_logits_match_transformers(case: str, backend: str) -> None:
+    err = max_error(case, backend, minimax_saved(case), reference=minimax_model(case))
+    print(f"{case} {backend}: max |dlogit| = {err:.2e}")
+    assert err <= TOL
+
+
+def test_minimax_m2_spec() -> None:
+    spec = load_model(minimax_saved("minimax_m2-b")).spec
+    assert spec.model_type == "minimax_m2" and spec.rotary_dim == 4 and spec.num_kv_heads == 1
+    assert spec.moe is not None and (spec.moe.scoring, spec.moe.score_bias, spec.moe.top_k) == ("sigmoid", True, 3)
+    assert load_model(minimax_saved("minimax_m2-a")).weights.shape("layers.0.q_norm") == (4 * 16,)  # whole projection
+
+
+def _released_config(folder: Path, **changes: Any) -> None:
+    """config.json as MiniMax publishes it: transformers 4 keys (`rotary_dim`, `rope_theta`) and the
+    fields transformers 5 drops (`scoring_func`, `use_qk_norm`, MTP modules...)."""
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= dict(rope_theta=rope["rope_theta"], scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer",
+                   use_routing_bias=True, shared_intermediate_size=0, use_mtp=True, mtp_transformer_layers=1,
+                   attn_type_list=[1] * config["num_hidden_layers"]) | changes
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_minimax_m2_released_config_and_mtp_skipped(tmp_path: Path) -> None:
+    """`rotary_dim` without `partial_rotary_factor` sets the rotary share; MTP modules' layers are skipped."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "released"
+    minimax_model("minimax_m2-a").save_pretrained(folder)
+    _released_config(folder, num_mtp_modules=1)
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.layers.2.self_attn.q_proj.weight"] = np.zeros((64, 64), np.float32)  # layer N: an MTP module
+    save_file(state, str(folder / "model.safetensors"))
+    loaded = load_model(folder)
+    assert loaded.spec.rotary_dim == 8 and loaded.spec.num_layers == 2
+    assert not any(name.startswith("layers.2.") for name in loaded.weights.names())
+    assert max_error("", "torch", folder, reference=minimax_model("minimax_m2-a")) <= TOL
+
+
+@pytest.mark.parametrize(("key", "value"), [("qk_norm_type", "per_head"), ("scoring_func", "softmax"),
+                                            ("shared_intermediate_size", 256), ("attn_type_list", [0, 1])])
+def test_minimax_m2_unimplemented_fields_are_refused_by_name(tmp_path: Path, key: str, value: Any) -> None:
+    folder = tmp_path / "bad"
+    minimax_model("minimax_m2-a").save_pretrained(folder)
+    _released_config(folder, **{key: value})
+    with pytest.raises(UnsupportedArchitecture) as info:
+        load_model(folder)
+    assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def _eval_kl(folder: Path, backend: str) -> dict[str, Any]:
+    args = ["eval", "kl", str(folder), "--reference", "transformers", "--candidate", backend,
+            "--tokens", "96", "--window", "48", "--json"]
+    result = subprocess.run([sys.executable, "-c", "from twinfer.cli.main import main; main()", *args],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report: dict[str, Any] = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    print(f"{folder.name} {backend}: mean KL {report['mean_kl']:.2e}, top-1 {report['top1_agreement']:.3f}")
+    return report
+
+
+def test_minimax_m2_eval_kl_against_transformers(tmp_path: Path) -> None:
+    folder = tmp_path / "minimax_m2-a"
+    minimax_model("minimax_m2-a").save_pretrained(folder)
+    _char_tokenizer(folder)
+    report = _eval_kl(folder, "torch")
+    assert report["tokens"] >= 90 and report["mean_kl"] <= 1e-5 and report["top1_agreement"] == 1.0
