@@ -125,3 +125,98 @@ def test_minimax_m2_eval_kl_against_transformers(tmp_path: Path) -> None:
     _char_tokenizer(folder)
     report = _eval_kl(folder, "torch")
     assert report["tokens"] >= 90 and report["mean_kl"] <= 1e-5 and report["top1_agreement"] == 1.0
+
+
+# -- kimi_k25 --------------------------------------------------------------------------------------
+KIMI_TEXT = dict(intermediate_size=96, moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16,
+                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+KIMI: dict[str, dict[str, Any]] = {
+    # q-LoRA or not, heads, experts and top-k, grouped routing, a dense first layer or none
+    "kimi_k25-a": dict(KIMI_TEXT, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                       n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                       routed_scaling_factor=2.827, norm_topk_prob=True),
+    "kimi_k25-b": dict(KIMI_TEXT, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+                       n_routed_experts=4, num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+                       rope_interleave=False),
+}  # fmt: skip
+# The smallest vision tower transformers builds: one layer (skipped by name, never run here)
+KIMI_VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, patch_size=14,
+                   pos_emb_height=4, pos_emb_width=4, pos_emb_time=1)
+
+
+@cache
+def kimi_model(case: str) -> Any:
+    """transformers' Kimi K2.5 whose text model holds a random DeepSeek-V3's weights (fixtures_models' init)."""
+    text_kwargs = {**BASE, **KIMI[case]}
+    text = random_causal_lm("DeepseekV3", text_kwargs)
+    del text_kwargs["attn_implementation"]
+    config = transformers.Kimi_K25Config(text_config=dict(text_kwargs, model_type="kimi_k2"), vision_config=KIMI_VISION,
+                                         projection_hidden_size=32, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    model = transformers.Kimi_K25ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    return model
+
+
+def save_kimi_published(model: Any, folder: Path) -> dict[str, np.ndarray]:
+    """The checkpoint as Moonshot publishes it: the text model under `language_model.model.layers`, one
+    linear per expert, the vision tower and `mm_projector` beside it. The text part is written here from
+    the model's weights (transformers' own save renames some text layers by its vision rules); the vision
+    part is transformers' save, with the projector's norm moved out of `model.`. Returns the tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    model.save_pretrained(folder)
+    saved = load_file(str(folder / "model.safetensors"))
+    state = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith(("vision_tower.", "mm_projector.",
+                                                                                     "model.mm_projector."))}
+    for key, value in model.state_dict().items():
+        w = value.detach().float().numpy()
+        if key == "lm_head.weight":
+            state["language_model.lm_head.weight"] = w
+        elif key.startswith("model.language_model."):
+            name = "language_model.model." + key.removeprefix("model.language_model.")
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                module, fused = name.rsplit(".", 1)
+                half = w.shape[1] // 2
+                for e in range(w.shape[0]):
+                    parts = {"down_proj": w[e]} if fused == "down_proj" else {"gate_proj": w[e, :half],
+                                                                              "up_proj": w[e, half:]}
+                    state |= {f"{module}.{e}.{proj}.weight": np.ascontiguousarray(x) for proj, x in parts.items()}
+            else:
+                state[name] = w
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return state
+
+
+@cache
+def kimi_saved(case: str) -> Path:
+    path = Path(_ROOT.name) / case
+    save_kimi_published(kimi_model(case), path)
+    return path
+
+
+def test_kimi_k25_published_layout_is_what_transformers_reads() -> None:
+    """transformers loads the hand-written published folder with every weight in place: the layout is real."""
+    model, info = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(
+        kimi_saved("kimi_k25-a"), output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = torch.tensor([[3, 17, 99, 5, 64]])
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, kimi_model("kimi_k25-a")(tokens).logits)
+
+
+@pytest.mark.parametrize("backend", sorted(BUILDERS))
+@pytest.mark.parametrize("case", list(KIMI))
+def test_kimi_k25_text_logits_match_transformers(case: str, backend: str) -> None:
+    err = max_error(case, backend, kimi_saved(case), reference=kimi_model(case))
+    print(f"{case} {backend}: max |dlogit| = {err:.2e}")
+    assert err <= TOL
+
+
+def test_kimi_k25_spec_and_skipped_vision() -> None:
+    loaded = load_model(kimi_saved("kimi_k25-a"))
+    spec = loaded.spec
+    assert spec.model_type == "deepseek_v3" and not spec.tie_word_embeddings
+    assert spec.mla is not None and (spec.mla.q_lora_rank, spec.moe.n_group if spec.moe else 0) == (24, 2)
+    assert not any("vision" in n or "projector" in n for n in loaded.weights.names())

@@ -30,6 +30,7 @@ MODEL_TYPES: dict[str, str] = {
     "glm4_moe": "glm4_moe",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "kimi_k25": "kimi_k25",
     "gpt_oss": "gpt_oss",
     "minimax_m2": "minimax_m2",
 }
