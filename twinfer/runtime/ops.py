@@ -66,6 +66,10 @@ class Ops(Protocol):
         """RMS-normalize over the last axis, in float32, then multiply by `w`."""
         ...
 
+    def layer_norm(self, x: Array, w: Array, b: Array, eps: float) -> Array:
+        """LayerNorm over the last axis, in float32: (x - mean) / sqrt(var + eps) * w + b."""
+        ...
+
     def add_rms_norm(self, x: Array, delta: Array, w: Array, eps: float) -> tuple[Array, Array]:
         """(x + delta, rms_norm(x + delta, w, eps)): a residual add and the next block's pre-norm,
         which a backend may fuse into one kernel."""
@@ -101,7 +105,8 @@ class Ops(Protocol):
         ...
 
     def latent_attention(
-        self, q: Array, q_rope: Array, latent: Array, k_rope: Array, ctx: StepContext, layer: int
+        self, q: Array, q_rope: Array, latent: Array, k_rope: Array, ctx: StepContext, layer: int,
+        selection: int | None = None,
     ) -> Array:
         """Multi-head latent attention (MLA) over a cache of one latent per token, shared by all heads.
 
@@ -109,7 +114,16 @@ class Ops(Protocol):
         R = kv_lora_rank; k_rope [T, P]: the rotated key part) in layer's cache. q [T, H, R] are the
         queries absorbed into latent space, q_rope [T, H, P] their rotated part. Scores are
         q . latent + q_rope . k_rope; values are the latents: -> [T, H, R]. Causal, scaled like `attention`.
+        `selection`: attend only to the tokens `indexer_topk` chose at that layer earlier in this step.
         """
+        ...
+
+    def indexer_topk(self, q: Array, k: Array, weights: Array, ctx: StepContext, layer: int, top_k: int) -> None:
+        """DeepSeek sparse attention's lightning indexer: store k [T, D] in layer's indexer cache (beside
+        its latents, on the same slots), then choose for each query of q [T, Hi, D] its `top_k` tokens
+        by sum_h weights[t, h] * relu(q[t, h] . k[s]) over the tokens s it sees causally (all of them
+        when it sees no more than top_k). The choice is kept for this step, for `latent_attention`'s
+        `selection=layer`."""
         ...
 
     def moe(

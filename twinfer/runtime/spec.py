@@ -26,6 +26,33 @@ class MLASpec:
     v_head_dim: int
 
 
+@dataclass(frozen=True)
+class DSASpec:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over MLA: a lightning indexer of `n_heads`
+    heads of `head_dim` scores each query's visible tokens, and attention reads only the `top_k` best.
+
+    Every layer that runs an indexer caches its key (`head_dim` numbers per token) beside the latent.
+    `indexers` marks those layers (empty: all); a layer without one reuses the selection of the last
+    layer before it that has one (GLM-5's shared layers).
+    """
+
+    n_heads: int
+    head_dim: int
+    top_k: int
+    indexers: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.indexers and not self.indexers[0]:
+            raise ModelError("sparse attention: layer 0 must run its own indexer (a shared layer reuses an earlier one's)")
+
+    def has_indexer(self, layer: int) -> bool:
+        return not self.indexers or self.indexers[layer]
+
+    def source(self, layer: int) -> int:
+        """The layer whose selection `layer` attends through: itself, or the last indexer before it."""
+        return max(i for i in range(layer + 1) if self.has_indexer(i))
+
+
 SOFTMAX = "softmax"
 SIGMOID = "sigmoid"
 
@@ -107,6 +134,7 @@ class ModelSpec:
     final_logit_softcap: float | None = None
     moe: MoESpec | None = None
     mla: MLASpec | None = None
+    dsa: DSASpec | None = None  # sparse attention's indexer over the MLA latents
     extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -183,6 +211,8 @@ class ModelSpec:
             window = self.window(layer)
             share = 1.0 if window is None or context is None else min(1.0, window / max(context, 1))
             total += per_layer * share
+        if self.dsa is not None:  # the indexer's key beside the latent, in each layer that runs one
+            total += self.dsa.head_dim * sum(map(self.dsa.has_indexer, range(self.num_layers)))
         return total * bytes_per_element
 
     def with_(self, **changes: Any) -> ModelSpec:

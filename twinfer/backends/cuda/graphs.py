@@ -176,6 +176,8 @@ def graphs_off_reason(ops: TorchOps, wanted: bool) -> str | None:
         return "the plain-torch kernels read MoE counts back from the device; graphs need the triton path"
     if ops.kv_quant:
         return "TurboQuant KV caches run eagerly"
+    if ops.spec.mla is not None:  # it gathers each step's [B, L] slots, which a replay does not copy in
+        return "latent attention runs eagerly"
     if ops.spec.head_dim & (ops.spec.head_dim - 1):
         return f"head_dim {ops.spec.head_dim} is not a power of two (the decode kernel's tile)"
     return None

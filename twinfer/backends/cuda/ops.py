@@ -80,6 +80,10 @@ class TorchOps:
             mine = set()
         if spec.mla is not None:  # one latent per token, shared by the heads; no separate values
             self.k_cache, self.v_cache = cache(1, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim), cache(1, 0)
+            if spec.dsa is not None:  # sparse attention: the indexer's key per token, in the values' place
+                dsa = spec.dsa
+                self.v_cache = [c.new_zeros((c.shape[0], 1, dsa.head_dim)) if dsa.has_indexer(i) else c
+                                for i, c in enumerate(self.v_cache)]
         else:
             self.k_cache, self.v_cache = cache(spec.num_kv_heads, spec.head_dim), cache(spec.num_kv_heads, spec.head_dim)
         self._inv_freq = [torch.from_numpy(inv_freq(spec, i)).to(self.device) for i in range(spec.num_layers)]
@@ -190,6 +194,9 @@ class TorchOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (xf * w.float()).to(x.dtype)
 
+    def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], w.float(), b.float(), eps).to(x.dtype)
+
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, rms_norm(x + delta) * w): the residual add fused into the norm on the triton path."""
@@ -284,7 +291,7 @@ class TorchOps:
         return (probs @ V).transpose(1, 2)[ctx.q_valid]  # [T, H, D]
 
     def latent_attention(self, q: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                         ctx: TorchStep, layer: int) -> torch.Tensor:
+                         ctx: TorchStep, layer: int, selection: int | None = None) -> torch.Tensor:
         assert self.spec.mla is not None
         if self.kv_quant:
             raise ValueError("latent attention does not run on a TurboQuant KV cache; use a dense KV format")
@@ -294,6 +301,8 @@ class TorchOps:
         K = cache[ctx.kv_slots].transpose(1, 2)  # [B, 1, L, R + P]
         V = K[..., : self.spec.mla.kv_lora_rank]  # [B, 1, L, R]
         mask = self._mask(ctx, self.spec.window(layer))
+        if selection is not None:  # sparse attention: only the tokens the indexer chose
+            mask = mask & ctx.cache[("selection", selection)]
         B, H, Tq, _ = Q.shape
         if Tq == 1:  # decode: every head attends to the one latent head, so fold the heads into query rows
             # (SDPA's enable_gqa would expand K/V to all H heads: 128 copies of the latent cache at batch 64)
@@ -305,6 +314,19 @@ class TorchOps:
                 Q, K, V, attn_mask=mask, scale=self.spec.attention_scale, enable_gqa=True
             )  # [B, H, Tq, R]
         return out.transpose(1, 2)[ctx.q_valid]  # [T, H, R]
+
+    def indexer_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ctx: TorchStep, layer: int,
+                     top_k: int) -> None:
+        cache = self.v_cache[layer]  # [slots, 1, D]: the indexer's keys, on the latents' slots
+        cache.index_copy_(0, ctx.slots, k[:, None].to(cache.dtype))
+        K = cache[ctx.kv_slots][:, :, 0].float()  # [B, L, D]
+        scores = torch.einsum("bthd,bld->bthl", q[ctx.q_index].float(), K).relu()  # [B, Tq, Hi, L]
+        index = torch.einsum("bth,bthl->btl", weights[ctx.q_index].float(), scores)  # [B, Tq, L]
+        causal = self._mask(ctx, None)[:, 0]  # [B, Tq, L]
+        index = index.masked_fill(~causal, float("-inf"))
+        top = index.topk(min(top_k, index.shape[-1]), dim=-1).indices  # [B, Tq, k]
+        chosen = torch.zeros_like(causal).scatter_(-1, top, True) & causal  # fewer than k visible: all of them
+        ctx.cache[("selection", layer)] = chosen[:, None]  # [B, 1, Tq, L], like the causal mask
 
     def _mask(self, ctx: TorchStep, window: int | None) -> torch.Tensor:
         key = ("mask", window)

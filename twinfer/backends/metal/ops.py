@@ -82,6 +82,10 @@ class MlxOps:
         dense = 0 if self.kv_quant else spec.num_layers
         self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(dense)]
         self.v_cache = [mx.zeros(v_shape, dtype=self.dtype) for _ in range(dense)]
+        if spec.dsa is not None and self.v_cache:  # sparse attention: the indexer's key per token, in the values' place
+            dsa = spec.dsa
+            self.v_cache = [mx.zeros((slots, 1, dsa.head_dim), dtype=self.dtype) if dsa.has_indexer(i) else c
+                            for i, c in enumerate(self.v_cache)]
         self._inv_freq = [mx.array(inv_freq(spec, i)) for i in range(spec.num_layers)]
         self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
         self._gather_mm_f32 = mx.default_device().type == mx.cpu
@@ -153,6 +157,10 @@ class MlxOps:
             return mx.fast.rms_norm(x, w, eps)
         # half inputs: the fused kernel rounds before the weight multiply; the contract does not
         return rms_norm_reference(x, w, eps)
+
+    def layer_norm(self, x: mx.array, w: mx.array, b: mx.array, eps: float) -> mx.array:
+        f32 = mx.float32
+        return mx.fast.layer_norm(x.astype(f32), w.astype(f32), b.astype(f32), eps).astype(x.dtype)
 
     def add_rms_norm(self, x: mx.array, delta: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
         h = x + delta
@@ -247,7 +255,7 @@ class MlxOps:
         return mx.take(out, ctx.q_flat, axis=0)  # [T, H, D]
 
     def latent_attention(self, q: mx.array, q_rope: mx.array, latent: mx.array, k_rope: mx.array, ctx: MlxStep,
-                         layer: int) -> mx.array:
+                         layer: int, selection: int | None = None) -> mx.array:
         assert self.spec.mla is not None
         if self.kv_quant:
             raise ValueError("latent attention does not run on a TurboQuant KV cache; use a dense KV format")
@@ -258,10 +266,30 @@ class MlxOps:
         Q = mx.take(Qc, ctx.q_index, axis=0).transpose(0, 2, 1, 3)  # [B, H, Tq, R + P]
         K = mx.take(cache, ctx.kv_slots, axis=0).transpose(0, 2, 1, 3)  # [B, 1, L, R + P]
         scores = (Q @ K.swapaxes(-1, -2)) * self.spec.attention_scale  # [B, H, Tq, L]
-        scores = mx.where(self._mask(ctx, self.spec.window(layer)), scores, -mx.inf)
+        mask = self._mask(ctx, self.spec.window(layer))
+        if selection is not None:  # sparse attention: only the tokens the indexer chose
+            mask = mask & ctx.cache[("selection", selection)]
+        scores = mx.where(mask, scores, -mx.inf)
         out = mx.softmax(scores, axis=-1, precise=True) @ K[..., :R]  # [B, H, Tq, R]
         out = out.transpose(0, 2, 1, 3).reshape(B * Tq, H, R)
         return mx.take(out, ctx.q_flat, axis=0)  # [T, H, R]
+
+    def indexer_topk(self, q: mx.array, k: mx.array, weights: mx.array, ctx: MlxStep, layer: int,
+                     top_k: int) -> None:
+        cache = self.v_cache[layer]  # [slots, 1, D]: the indexer's keys, on the latents' slots
+        cache[ctx.slots] = k[:, None].astype(cache.dtype)  # a scatter: builds the next cache array
+        self.v_cache[layer] = cache
+        f32 = mx.float32
+        K = mx.take(cache, ctx.kv_slots, axis=0)[:, None, :, 0].astype(f32)  # [B, 1, L, D]
+        Q = mx.take(q, ctx.q_index, axis=0).astype(f32)  # [B, Tq, Hi, D]
+        scores = mx.maximum(Q @ K.swapaxes(-1, -2), 0)  # [B, Tq, Hi, L]
+        W = mx.take(weights, ctx.q_index, axis=0).astype(f32)[:, :, None]  # [B, Tq, 1, Hi]
+        causal = self._mask(ctx, None)[:, 0]  # [B, Tq, L]
+        index = mx.where(causal, (W @ scores)[:, :, 0], -mx.inf)  # [B, Tq, L]
+        n = min(top_k, index.shape[-1])
+        top = mx.argpartition(-index, kth=n - 1, axis=-1)[..., :n]  # [B, Tq, n]
+        chosen = mx.put_along_axis(mx.zeros(index.shape, dtype=mx.bool_), top, mx.array(True), axis=-1)
+        ctx.cache[("selection", layer)] = (chosen & causal)[:, None]  # [B, 1, Tq, L], like the causal mask
 
     def _mask(self, ctx: MlxStep, window: int | None) -> mx.array:
         key = ("mask", window)

@@ -30,6 +30,8 @@ MODEL_TYPES: dict[str, str] = {
     "glm4_moe": "glm4_moe",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "glm_moe_dsa",
     "kimi_k25": "kimi_k25",
     "gpt_oss": "gpt_oss",
     "minimax_m2": "minimax_m2",
@@ -45,6 +47,8 @@ GGUF_ARCHS: dict[str, str] = {
     "qwen3moe": "qwen3_moe",
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",
+    "deepseek32": "deepseek_v32",
+    "glm-dsa": "glm_moe_dsa",
     "gpt-oss": "gpt_oss",
     "minimax-m2": "minimax_m2",
 }

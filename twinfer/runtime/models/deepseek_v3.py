@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from twinfer.runtime.loaders.gguf_file import GGUFKeys
 
 INTERLEAVED = "rope_interleave"  # a spec.extra key: the checkpoint's rope pairs are interleaved
+LATENT_EPS = "latent_norm_eps"  # a spec.extra key: the q/kv latent norms' epsilon (transformers: 1e-6)
 
 
 class Model(SharedExpertsDecoder):
@@ -71,7 +72,8 @@ class Model(SharedExpertsDecoder):
     def attention(self, ops: Ops, w: Weights, p: str, layer: int, h: Array, ctx: StepContext) -> Array:
         s, m = self.spec, _mla(self.spec)
         T, H, R, nope = h.shape[0], s.num_heads, m.kv_lora_rank, m.qk_nope_head_dim
-        eps = s.rms_norm_eps
+        eps = dict(s.extra).get(LATENT_EPS, s.rms_norm_eps)
+        q_low = None
         if m.q_lora_rank:
             q_low = ops.rms_norm(ops.linear(h, w[p + "q_a"], w.get(p + "q_a_bias")), w[p + "q_a_norm"], eps)
             q = ops.linear(q_low, w[p + "q_b"])
@@ -83,9 +85,17 @@ class Model(SharedExpertsDecoder):
         kv = ops.linear(h, w[p + "kv_a"], w.get(p + "kv_a_bias"))  # [T, R + P]
         latent = ops.rms_norm(kv[..., :R], w[p + "kv_a_norm"], eps)  # [T, R]
         k_rope = ops.rope(kv[..., R:].reshape(T, 1, m.qk_rope_head_dim), ctx, layer)  # [T, 1, P]
-        o = ops.latent_attention(q_latent, q_rope, latent, k_rope.reshape(T, m.qk_rope_head_dim), ctx, layer)
+        selection = self.select(ops, w, p, layer, h, q_low, ctx)
+        o = ops.latent_attention(q_latent, q_rope, latent, k_rope.reshape(T, m.qk_rope_head_dim), ctx, layer,
+                                 selection=selection)
         o = ops.head_linear(o, w[p + "kv_b_v"])  # [T, H, V]
         return ops.linear(o.reshape(T, H * m.v_head_dim), w[p + "o"], w.get(p + "o_bias"))
+
+    def select(self, ops: Ops, w: Weights, p: str, layer: int, h: Array, q_low: Array | None,
+               ctx: StepContext) -> int | None:
+        """The layer whose sparse-attention choice of tokens this layer attends to (`Ops.indexer_topk`),
+        from the layer's input h and its query latent q_low; None: every token (dense MLA)."""
+        return None
 
 
 def _mla(spec: ModelSpec) -> MLASpec:
@@ -193,6 +203,11 @@ def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
     for key, what in UNSUPPORTED.items():
         if c.get(key):
             raise UnsupportedArchitecture(f"config.json sets {key!r} ({what}), which twinfer does not run yet")
+    return mla_fields(c, fields)
+
+
+def mla_fields(c: dict[str, Any], fields: Fields) -> Fields:
+    """`hf_spec` less the refusal of sparse attention's keys: MLA, experts and routing (deepseek_v32 adds DSA)."""
     for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
         if c.get(key, want) != want:
             raise UnsupportedArchitecture(f"config.json {key}={c[key]!r}: twinfer runs DeepSeek-V3 routing ({want!r})")
@@ -207,8 +222,8 @@ def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     return fields | dict(
         head_dim=qk, num_kv_heads=fields["num_heads"], mla=mla, moe=moe_from_config(c), softmax_scale=scale,
-        extra=((INTERLEAVED, bool(c.get("rope_interleave", True))),),
-    )
+        extra=((INTERLEAVED, bool(c.get("rope_interleave", True))), (LATENT_EPS, 1e-6)),
+    )  # transformers' q/kv latent norms keep their default epsilon whatever rms_norm_eps says
 
 
 def gguf_spec(k: GGUFKeys, fields: Fields) -> Fields:

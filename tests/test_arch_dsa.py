@@ -1,0 +1,210 @@
+"""deepseek_v32 (DeepSeek-V3.2) and glm_moe_dsa (GLM-5): DeepSeek sparse attention against transformers.
+
+Tiny random configs whose indexer keeps fewer tokens (index_topk 5-8) than the 24-token prompt
+holds, so the selection drops tokens inside the test's context; 16 indexer heads keep ties at the
+k-th place rare. Both backends must match transformers to 1e-4 on a batched prefill of two
+sequences and 8 decode steps through the paged cache (blocks of 4), the indexer's keys cached beside
+the latents. GLM-5 cases add shared layers (`indexer_types`) and the interleaved indexer rope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fixtures_models import random_causal_lm
+
+from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
+from twinfer.runtime.errors import UnsupportedArchitecture
+from twinfer.runtime.loaders import load_model
+from twinfer.runtime.runner import OpsRunner
+from twinfer.runtime.spec import ModelSpec
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("mlx.core")
+
+from test_arch_logits import BLOCK, BUILDERS, DECODE_STEPS, TOL, _char_tokenizer  # noqa: E402
+
+rng = np.random.default_rng(7)
+PROMPT_A = [int(t) for t in rng.integers(0, 128, 24)]
+PROMPT_B = [int(t) for t in rng.integers(0, 128, 13)]
+BASE = dict(vocab_size=128, hidden_size=64, max_position_embeddings=256, attn_implementation="eager",
+            intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+            index_n_heads=16)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+            beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # deepseek_v32: YaRN, groups, a dense first layer; or biases, no dense layer, an indexer head of 16
+    "deepseek_v32-a": ("DeepseekV32", dict(num_hidden_layers=3, num_attention_heads=4, q_lora_rank=24,
+                                           index_head_dim=32, index_topk=8, n_group=2, topk_group=1,
+                                           first_k_dense_replace=1, rope_parameters=YARN)),
+    "deepseek_v32-b": ("DeepseekV32", dict(num_hidden_layers=2, num_attention_heads=8, q_lora_rank=12,
+                                           index_head_dim=16, index_topk=5, first_k_dense_replace=0,
+                                           attention_bias=True, norm_topk_prob=False, n_group=1, topk_group=1)),
+    # glm_moe_dsa: shared layers reuse the last full layer's choice; GLM's rms_norm_eps
+    "glm_moe_dsa-a": ("GlmMoeDsa", dict(num_hidden_layers=3, num_attention_heads=4, q_lora_rank=24,
+                                        index_head_dim=32, index_topk=8, first_k_dense_replace=1,
+                                        indexer_types=["full", "shared", "full"], rms_norm_eps=1e-5)),
+    "glm_moe_dsa-b": ("GlmMoeDsa", dict(num_hidden_layers=4, num_attention_heads=8, q_lora_rank=16,
+                                        index_head_dim=24, index_topk=6, first_k_dense_replace=2, n_group=2,
+                                        topk_group=1, indexer_types=["full", "shared", "shared", "full"],
+                                        rope_parameters=dict(rope_type="default", rope_theta=500.0))),
+}  # fmt: skip
+_ROOT = tempfile.TemporaryDirectory()
+
+
+@cache
+def hf_model(case: str) -> Any:
+    prefix, kwargs = CASES[case]
+    model = random_causal_lm(prefix, {**BASE, **kwargs, "num_key_value_heads": kwargs["num_attention_heads"]})
+    with torch.no_grad():  # the key LayerNorm's bias drawn around 0, not around 1 like a norm's weight
+        for name, p in model.named_parameters():
+            if name.endswith("indexer.k_norm.bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@cache
+def saved(case: str) -> Path:
+    path = Path(_ROOT.name) / case
+    hf_model(case).save_pretrained(path)
+    return path
+
+
+def hf_logits(model: Any, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+def generate_pair(runner: OpsRunner) -> list[tuple[np.ndarray, list[int]]]:
+    """Both prompts prefilled in one step, then decoded together: each sequence's rows and new tokens."""
+    prompts = (PROMPT_A, PROMPT_B)
+    tables = ([3 * i for i in range(12)], [1 + 3 * i for i in range(12)])  # interleaved, non-contiguous blocks
+    out = runner.step(StepBatch([SeqChunk(s, p, 0, tables[s], LogitsWanted.ALL) for s, p in enumerate(prompts)]))
+    rows = [[out[: len(PROMPT_A)]], [out[len(PROMPT_A) :]]]
+    new: list[list[int]] = [[], []]
+    for _ in range(DECODE_STEPS):
+        chunks = []
+        for s, p in enumerate(prompts):
+            new[s].append(int(rows[s][-1][-1].argmax()))
+            chunks.append(SeqChunk(s, [new[s][-1]], len(p) + len(new[s]) - 1, tables[s]))
+        out = runner.step(StepBatch(chunks))
+        rows[0].append(out[:1])
+        rows[1].append(out[1:])
+    return [(np.concatenate(rows[s]), new[s]) for s in range(2)]
+
+
+def max_error(case: str, backend: str, spec: ModelSpec | None = None) -> float:
+    """max |twinfer - transformers| over both sequences' prefill and decode rows (`spec`: run another)."""
+    loaded = load_model(saved(case))
+    weights = {name: loaded.weights.load(name) for name in loaded.weights.names()}
+    runner = BUILDERS[backend](spec or loaded.spec, weights, kv_tokens=64 * BLOCK, block_size=BLOCK)
+    worst = 0.0
+    for (rows, new), prompt in zip(generate_pair(runner), (PROMPT_A, PROMPT_B), strict=True):
+        ref = hf_logits(hf_model(case), prompt + new)[: len(rows)]
+        worst = max(worst, float(np.abs(rows - ref).max()))
+    return worst
+
+
+@pytest.mark.parametrize("backend", sorted(BUILDERS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case: str, backend: str) -> None:
+    err = max_error(case, backend)
+    print(f"{case} {backend}: max |dlogit| = {err:.2e}")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32-a", "glm_moe_dsa-b"])
+def test_the_selection_changes_the_logits(case: str) -> None:
+    """Dense MLA (every token kept) is far from transformers: the tests above see the indexer's choice."""
+    spec = load_model(saved(case)).spec
+    assert spec.dsa is not None
+    dense = spec.with_(dsa=dataclasses.replace(spec.dsa, top_k=10_000))
+    assert max_error(case, "torch", dense) > 100 * TOL
+
+
+def test_specs_and_cache_bytes() -> None:
+    from twinfer.planners.cost import Strategy
+    from twinfer.planners.formats import KV_FORMATS
+    from twinfer.planners.memory import kv_alloc_per_token
+    from twinfer.planners.source import profile_from_loaded
+
+    ds = load_model(saved("deepseek_v32-a")).spec
+    assert ds.model_type == "deepseek_v32" and ds.dsa is not None and ds.mla is not None
+    assert (ds.dsa.n_heads, ds.dsa.head_dim, ds.dsa.top_k, ds.dsa.indexers) == (16, 32, 8, ())
+    loaded = load_model(saved("glm_moe_dsa-b"))
+    glm = loaded.spec
+    assert glm.dsa is not None and glm.dsa.indexers == (True, False, False, True)
+    assert [glm.dsa.source(i) for i in range(4)] == [0, 0, 0, 3]
+    assert not any(n.startswith(("layers.1.indexer", "layers.2.indexer")) for n in loaded.weights.names())
+    # per token: 4 latents of R + P, and an indexer key of 24 in the two full layers, fp32
+    per_token = (4 * (16 + 8) + 2 * 24) * 4
+    assert glm.kv_bytes_per_token(4.0) == per_token
+    profile = profile_from_loaded(loaded)
+    assert kv_alloc_per_token(profile, Strategy(profile.stored, KV_FORMATS["f32"], "torch"), 64) == per_token
+    weights = {name: loaded.weights.load(name) for name in loaded.weights.names()}
+    for backend, build in BUILDERS.items():
+        runner = build(glm, weights, kv_tokens=64, block_size=BLOCK)
+        assert runner.ops.kv_bytes == 64 * per_token, backend  # what the backend allocates
+
+
+def test_prefix_reuse_and_preemption_keep_greedy_text() -> None:
+    """Through the Engine on torch: a second request sharing a prefix reuses its cached latents and
+    indexer keys, and a pool that forces preemption, both give the text of runs without either."""
+    from twinfer.backends.cuda.runner import build_torch_runner
+    from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams
+
+    loaded = load_model(saved("glm_moe_dsa-a"))
+    weights = {name: loaded.weights.load(name) for name in loaded.weights.names()}
+
+    def engine(kv_tokens: int = 512, **config: Any) -> Engine:
+        runner = build_torch_runner(loaded.spec, weights, kv_tokens=kv_tokens, block_size=BLOCK)
+        return Engine(runner, None, EngineConfig(**config))
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, guard=GuardConfig(enabled=False))
+    prompts = [PROMPT_A + [5, 6], PROMPT_A + [9], PROMPT_B + PROMPT_A[:7]]
+    cold = [o.token_ids for o in engine(enable_prefix_cache=False).generate(prompts, greedy)]
+    warm_engine = engine()
+    warm = [warm_engine.generate([p], greedy)[0] for p in prompts]
+    assert warm[1].cached_tokens == len(PROMPT_A) // BLOCK * BLOCK > 0
+    assert [o.token_ids for o in warm] == cold
+    tight = engine(kv_tokens=BLOCK * 14, max_seqs=3, enable_prefix_cache=False)
+    assert [o.token_ids for o in tight.generate(prompts, greedy)] == cold
+    assert tight.scheduler.preemptions > 0, "the pool was meant to force preemption"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("mlp_layer_types", ["sparse", "sparse", "sparse"]), ("indexer_types", ["full", "sparse", "full"]),
+    ("layer_types", ["full_attention"] * 3)])  # fmt: skip
+def test_unimplemented_fields_are_refused_by_name(tmp_path: Path, key: str, value: Any) -> None:
+    folder = tmp_path / "bad"
+    hf_model("glm_moe_dsa-a").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {key: value}))
+    with pytest.raises(UnsupportedArchitecture) as info:
+        load_model(folder)
+    assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_eval_kl_against_transformers(tmp_path: Path) -> None:
+    folder = tmp_path / "glm_moe_dsa-a"
+    hf_model("glm_moe_dsa-a").save_pretrained(folder)
+    _char_tokenizer(folder)
+    args = ["eval", "kl", str(folder), "--reference", "transformers", "--candidate", "torch",
+            "--tokens", "96", "--window", "48", "--json"]
+    result = subprocess.run([sys.executable, "-c", "from twinfer.cli.main import main; main()", *args],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    print(f"eval kl glm_moe_dsa-a torch: mean KL {report['mean_kl']:.2e}, top-1 {report['top1_agreement']}")
+    assert report["tokens"] >= 90 and report["mean_kl"] <= 1e-5 and report["top1_agreement"] == 1.0
