@@ -153,9 +153,12 @@ def test_specs_and_cache_bytes() -> None:
     profile = profile_from_loaded(loaded)
     assert kv_alloc_per_token(profile, Strategy(profile.stored, KV_FORMATS["f32"], "torch"), 64) == per_token
     weights = {name: loaded.weights.load(name) for name in loaded.weights.names()}
-    for backend, build in BUILDERS.items():
+    for backend, build in sorted(BUILDERS.items()):  # torch last
         runner = build(glm, weights, kv_tokens=64, block_size=BLOCK)
         assert runner.ops.kv_bytes == 64 * per_token, backend  # what the backend allocates
+    held = sum(int(t.nbytes) for t in runner.weights.values() if isinstance(t, torch.Tensor))  # the torch runner's
+    planned = profile.weight_bytes(profile.stored)  # indexers included
+    assert abs(planned - held) <= 0.02 * held, (planned, held)
 
 
 def test_prefix_reuse_and_preemption_keep_greedy_text() -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from twinfer.planners.hardware import normalize
 from twinfer.planners.model import ModelProfile, profile_from_spec
 from twinfer.runtime.errors import PlanError
-from twinfer.runtime.spec import FULL, SLIDING, MLASpec, ModelSpec, MoESpec
+from twinfer.runtime.spec import FULL, SLIDING, DSASpec, MLASpec, ModelSpec, MoESpec
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,26 @@ def _glm(name: str, repo: str, d: int, L: int, inter: int, moe_inter: int, exper
     return Entry(name, spec, repo)
 
 
+def _deepseek_v32(name: str, repo: str) -> Entry:
+    """DeepSeek-V3's shape plus sparse attention's indexer (64 heads of 128, top 2048), cached per token."""
+    v3 = _deepseek(name, repo, 128, 256, 3, 129280, 163840)
+    return Entry(name, v3.spec.with_(model_type="deepseek_v32", dsa=DSASpec(n_heads=64, head_dim=128, top_k=2048)),
+                 repo, native="fp8")
+
+
+def _glm5(name: str, repo: str) -> Entry:
+    spec = ModelSpec(model_type="glm_moe_dsa", name=name, vocab_size=154880, hidden_size=6144, num_layers=78,
+                     num_heads=64, num_kv_heads=64, head_dim=256, intermediate_size=12288, max_position=202752,
+                     rope_theta=1e6, rms_norm_eps=1e-5,
+                     mla=MLASpec(kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64, qk_nope_head_dim=192,
+                                 v_head_dim=256),
+                     dsa=DSASpec(n_heads=32, head_dim=128, top_k=2048),
+                     moe=MoESpec(num_experts=256, top_k=8, expert_intermediate_size=2048, num_shared_experts=1,
+                                 shared_intermediate_size=2048, first_dense_layers=3,
+                                 router_softmax_before_topk=False))
+    return Entry(name, spec, repo)
+
+
 def _gpt_oss(name: str, L: int, experts: int) -> Entry:
     spec = ModelSpec(model_type="gpt_oss", name=name, vocab_size=201088, hidden_size=2880, num_layers=L,
                      num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, max_position=131072,
@@ -114,6 +134,8 @@ ENTRIES: list[Entry] = [
     _deepseek("kimi-k2", "moonshotai/Kimi-K2-Instruct", 64, 384, 1, 163840, 131072),
     _glm("glm-4.5", "zai-org/GLM-4.5", 5120, 92, 12288, 1536, 160, 3),
     _glm("glm-4.5-air", "zai-org/GLM-4.5-Air", 4096, 46, 10944, 1408, 128, 1),
+    _deepseek_v32("deepseek-v3.2", "deepseek-ai/DeepSeek-V3.2"),
+    _glm5("glm-5", "zai-org/GLM-5"),
     _gpt_oss("gpt-oss-20b", 24, 32),
     _gpt_oss("gpt-oss-120b", 36, 128),
     Entry("mixtral-8x7b", ModelSpec(

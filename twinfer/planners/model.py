@@ -249,6 +249,10 @@ def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", sou
     counts["embed"] = spec.vocab_size * d
     counts["lm_head"] = 0.0 if spec.tie_word_embeddings else spec.vocab_size * d
     counts["attn"] = attn * L
+    if spec.dsa is not None and spec.mla is not None and spec.mla.q_lora_rank:  # sparse attention's indexers
+        dsa = spec.dsa  # q from the q latent, a key with its LayerNorm, per-head weights
+        per = dsa.n_heads * dsa.head_dim * spec.mla.q_lora_rank + (d + 2) * dsa.head_dim + dsa.n_heads * d
+        counts["attn"] += per * sum(map(dsa.has_indexer, range(L)))
     counts["attn_v"] = attn_v * L
     counts["attn_out"] = attn_out * L
     counts["norm"] = (2 * d + (2 * spec.head_dim if spec.qk_norm else 0)) * L + d
