@@ -220,3 +220,115 @@ def test_kimi_k25_spec_and_skipped_vision() -> None:
     assert spec.model_type == "deepseek_v3" and not spec.tie_word_embeddings
     assert spec.mla is not None and (spec.mla.q_lora_rank, spec.moe.n_group if spec.moe else 0) == (24, 2)
     assert not any("vision" in n or "projector" in n for n in loaded.weights.names())
+
+
+# -- kimi_k25 as published: INT4 compressed-tensors experts ------------------------------------------
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+
+
+def int4_writer() -> tuple[Any, dict[str, Any]]:
+    """compressed-tensors' own pack-quantized compressor for Kimi K2.5's scheme (symmetric int4, groups of
+    32, bf16 scales) and the config it writes: w -> ({suffix: tensor}, dequantized w)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    comp = BaseCompressor.get_value_from_registry("pack-quantized")
+
+    def write(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        g = w.float().unflatten(-1, (w.shape[1] // 32, 32))
+        scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        scale = scale.to(torch.bfloat16)  # as published
+        parts = dict(comp.compress({"weight": w.float(), "weight_scale": scale.float()}, scheme))
+        parts["weight_scale"] = scale
+        deq = comp.decompress({**parts, "weight_scale": scale.float()}, scheme)["weight"].float()
+        return parts, deq
+
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                quantization_status="compressed", ignore=KIMI_IGNORE).model_dump(mode="json")
+    return write, config
+
+
+@cache
+def kimi_int4(case: str) -> tuple[Path, Any]:
+    """`case` saved as published with INT4 routed experts, and transformers on the dequantized experts."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    model = copy.deepcopy(kimi_model(case))
+    folder = Path(_ROOT.name) / f"{case}-int4"
+    state = {k: torch.from_numpy(v) for k, v in save_kimi_published(model, folder).items()}
+    write, quant = int4_writer()
+    for name in [n for n in state if ".mlp.experts." in n]:
+        parts, deq = write(state.pop(name))
+        state |= {name.removesuffix("weight") + k: v.contiguous() for k, v in parts.items()}
+        layer, expert, proj = int(name.split(".")[3]), int(name.split(".")[6]), name.split(".")[7]
+        experts = model.model.language_model.layers[layer].mlp.experts
+        with torch.no_grad():  # transformers holds gate_up [E, 2I, C] (gate rows first) and down [E, C, I]
+            if proj == "down_proj":
+                experts.down_proj[expert].copy_(deq)
+            else:
+                half = experts.gate_up_proj.shape[1] // 2
+                experts.gate_up_proj[expert, (0 if proj == "gate_proj" else half):][:half].copy_(deq)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["quantization_config"] = quant  # where Kimi K2.5 keeps it
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, model
+
+
+def runner_error(runner: Any, reference: Any) -> float:
+    """test_arch_logits' two-sequence workload on a built runner, against `reference`."""
+    from test_arch_logits import PROMPT_A, PROMPT_B, generate
+
+    worst = 0.0
+    for seq, (prompt, first) in enumerate(((PROMPT_A, 0), (PROMPT_B, 30))):
+        rows, new = generate(runner, seq, prompt, [first + 3 * i for i in range(8)])
+        with torch.no_grad():
+            ref = reference(torch.tensor([prompt + new])).logits[0].float().numpy()[: len(rows)]
+        worst = max(worst, float(np.abs(rows - ref).max()))
+    return worst
+
+
+@pytest.mark.parametrize("backend", sorted(BUILDERS))
+def test_kimi_k25_int4_experts_as_published(backend: str) -> None:
+    """The routed experts stay INT4 in the weight set (MLX's affine layout, bias -8 * scale, the file's
+    bytes), the rest float; both backends match transformers on the dequantized experts."""
+    from test_arch_logits import BLOCK
+
+    from twinfer.quant.linear import QuantizedExperts
+
+    folder, reference = kimi_int4("kimi_k25-a")
+    loaded = load_model(folder)
+    kept = {n: f for n in loaded.weights.names() if (f := loaded.weights.format_of(n)) is not None}  # type: ignore[attr-defined]
+    assert set(kept) == {f"layers.1.experts.{p}" for p in ("gate", "up", "down")} and set(kept.values()) == {"int4"}
+    gate = loaded.weights["layers.1.experts.gate"]
+    assert isinstance(gate, QuantizedExperts) and gate.fmt == "int4" and gate.shape == (8, 32, 64)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("language_model.model.layers.1.mlp.experts.0.gate_proj.weight_packed").numpy()
+    first = gate.experts[0].packed
+    assert np.array_equal(first.wq.view(np.int32), stored)
+    assert np.array_equal(first.biases, -8 * first.scales) and first.group_size == 32
+    weights = {n: loaded.weights[n] for n in loaded.weights.names()}  # what a runner holds
+    err = runner_error(BUILDERS[backend](loaded.spec, weights, kv_tokens=64 * BLOCK, block_size=BLOCK), reference)
+    print(f"kimi_k25-a int4 {backend}: max |dlogit| = {err:.2e}")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize(("key", "value"), [("symmetric", False), ("num_bits", 2), ("group_size", 16)])
+def test_kimi_k25_int_options_twinfer_cannot_hold_are_refused_by_name(tmp_path: Path, key: str, value: Any) -> None:
+    from twinfer.runtime.loaders.published import QuantConfigError
+
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    config = json.loads((kimi_int4("kimi_k25-a")[0] / "config.json").read_text())
+    config["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"][key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantConfigError) as info:
+        load_model(folder)
+    assert f"weights.{key}" in str(info.value) or "weights=" in str(info.value), str(info.value)

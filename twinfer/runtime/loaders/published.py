@@ -7,6 +7,7 @@ A Hugging Face folder whose config says how it was quantized is read in that lay
 | DeepSeek block FP8 | `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}` | `P.weight` F8_E4M3, `P.weight_scale_inv` F32 per 128x128 tile |
 | compressed-tensors FP8 | `quant_method: compressed-tensors`, `format: float-quantized` | `P.weight` F8_E4M3, `P.weight_scale` per tensor / channel / block (`P.input_scale`) |
 | compressed-tensors NVFP4 | `format: nvfp4-pack-quantized` | `P.weight_packed` U8, `P.weight_scale` F8_E4M3 per 16, `P.weight_global_scale` (its reciprocal multiplies) |
+| compressed-tensors INT4 / INT8 | `format: pack-quantized`, symmetric int groups (Kimi K2.5's experts) | `P.weight_packed` I32 (codes + 2**(bits-1), little-endian), `P.weight_scale` per group, `P.weight_shape` |
 | ModelOpt NVFP4 / FP8 | `quant_method: modelopt, quant_algo: NVFP4` (or `hf_quant_config.json`) | `P.weight` U8, `P.weight_scale` F8_E4M3 per 16, `P.weight_scale_2` F32 (`P.input_scale`) |
 | gpt-oss MXFP4 | `quant_method: mxfp4` | experts `*_blocks` U8, `*_scales` E8M0 (the gpt_oss name table) |
 | mlx-community affine | `quantization: {group_size, bits}` | `P.weight` U32 packed, `P.scales`, `P.biases` |
@@ -16,6 +17,9 @@ architecture's name table maps it unchanged. Its `read()` dequantizes with numpy
 and float consumers see); `PublishedWeightSet.load` hands the format layer's decoder (registered by
 `twinfer.quant.linear`) the packed parts in twinfer's field names, so backends keep them resident.
 Activation scales (`input_scale`, `input_global_scale`) are read past: weights are what is served.
+compressed-tensors' packed integers are MLX's affine layout with a fixed offset (bias = -2**(bits-1) * scale),
+so they become twinfer's `int4` / `int8` weights unchanged. A multimodal wrapper may nest the
+quantization config in its `text_config` (Kimi K2.5).
 An unknown method or an unsupported option is refused, naming the config field.
 """
 
@@ -58,6 +62,7 @@ class Layout:
     fp8_strategy: str = ""  # compressed-tensors FP8: "tensor", "channel" or "block"
     block: int = 128
     nvfp4: bool = False
+    int_bits: int = 0  # compressed-tensors pack-quantized: symmetric int4/int8 in groups of `block`
     mlx: Mapping[str, Any] = field(default_factory=dict)  # `quantization`: group_size, bits, per-module overrides
 
     def mlx_options(self, module: str) -> tuple[int, int]:
@@ -77,6 +82,9 @@ def read_layout(config: dict[str, Any], folder: Path | None, arch_methods: tuple
     """The folder's published layout, None for plain float weights; QuantConfigError for what it refuses."""
     mlx = config.get("quantization")
     qc = config.get("quantization_config")
+    text = config.get("text_config")
+    if qc is None and isinstance(text, dict):  # a multimodal wrapper's text model (Kimi K2.5)
+        qc = text.get("quantization_config")
     if isinstance(mlx, dict):
         return _mlx(mlx)
     if qc is None and folder is not None and (folder / MODELOPT_FILE).is_file():
@@ -140,9 +148,12 @@ def _compressed_tensors(qc: dict[str, Any]) -> Layout:
         g = f"{f}.config_groups.{gname}"
         gfmt = group.get("format") or fmt
         w = group.get("weights") or {}
-        if gfmt not in ("float-quantized", "nvfp4-pack-quantized"):
-            raise _refuse(f"{g}.format" if group.get("format") else f"{f}.format", gfmt,
-                          "float-quantized (FP8) and nvfp4-pack-quantized")
+        fmt_field = f"{g}.format" if group.get("format") else f"{f}.format"
+        if gfmt not in ("float-quantized", "nvfp4-pack-quantized", "pack-quantized"):
+            raise _refuse(fmt_field, gfmt, "float-quantized (FP8), nvfp4-pack-quantized and pack-quantized (int)")
+        if gfmt == "pack-quantized":
+            kinds.add(_ct_int(w, g, fmt_field))
+            continue
         if w.get("type") != "float":
             raise _refuse(f"{g}.weights.type", w.get("type"), "float weights")
         if not w.get("symmetric", True):
@@ -170,9 +181,29 @@ def _compressed_tensors(qc: dict[str, Any]) -> Layout:
     kind = kinds.pop()
     if kind == "nvfp4":
         return Layout("compressed-tensors", nvfp4=True)
+    if kind.startswith("int"):
+        bits, group = (int(x) for x in kind.removeprefix("int").split("-g"))
+        return Layout("compressed-tensors", int_bits=bits, block=group)
     w = next(iter(groups.values()))["weights"]
     block = int((w.get("block_structure") or [128])[0])
     return Layout("compressed-tensors", fp8_strategy=kind.removeprefix("fp8-"), block=block)
+
+
+def _ct_int(w: dict[str, Any], g: str, fmt_field: str) -> str:
+    """The kind ("int4-g32") of a pack-quantized group's weights; refuses what MLX's affine layout cannot hold."""
+    if w.get("type") != "int":
+        raise _refuse(fmt_field, "pack-quantized", f"pack-quantized only for int weights, not {g}.weights.type="
+                      f"{w.get('type')!r}")
+    if w.get("num_bits") not in (4, 8):
+        raise _refuse(f"{g}.weights.num_bits", w.get("num_bits"), "pack-quantized int4 and int8")
+    if not w.get("symmetric", True):
+        raise _refuse(f"{g}.weights.symmetric", False, "symmetric pack-quantized weights (no zero points)")
+    if w.get("strategy") != "group" or w.get("group_size") not in (32, 64, 128):
+        raise _refuse(f"{g}.weights", {k: w.get(k) for k in ("strategy", "group_size")},
+                      "pack-quantized groups of 32, 64 or 128")
+    if w.get("actorder") or w.get("dynamic", False):
+        raise _refuse(f"{g}.weights.actorder", w.get("actorder"), "static groups in input order")
+    return f"int{w['num_bits']}-g{w['group_size']}"
 
 
 def _modelopt(qc: dict[str, Any], f: str) -> Layout:
@@ -237,6 +268,10 @@ class PackedTensor:
     def arrays(self) -> dict[str, np.ndarray]:
         out = {k: raw(t) for k, t in self.parts}
         meta = dict(self.meta)
+        if "offset" in meta:  # compressed-tensors' symmetric ints: unsigned codes minus a fixed offset
+            out["wq"] = out["wq"].view(np.uint32)
+            out["scales"] = out["scales"].astype(np.float32)
+            out["biases"] = np.float32(-meta["offset"]) * out["scales"]
         if "scale" in out:  # FP8: one scale, or one per output row
             s = out["scale"].astype(np.float32)
             out["scale"] = s.reshape(-1, 1) if s.size > 1 else s.reshape(())
@@ -266,6 +301,7 @@ _NVFP4_CT: dict[str, str | None] = {"weight_packed": "packed", "weight_scale": "
              "input_global_scale": None}
 _NVFP4_MODELOPT: dict[str, str | None] = {"weight": "packed", "weight_scale": "scales", "weight_scale_2": "global_scale", "input_scale": None}
 _MLX: dict[str, str | None] = {"weight": "wq", "scales": "scales", "biases": "biases"}
+_INT_CT: dict[str, str | None] = {"weight_packed": "wq", "weight_scale": "scales", "weight_shape": None}
 
 
 def _companions(layout: Layout) -> tuple[str, dict[str, str | None]]:
@@ -274,6 +310,8 @@ def _companions(layout: Layout) -> tuple[str, dict[str, str | None]]:
         return "weight_scale_inv", _FP8_DEEPSEEK
     if layout.method == "mlx":
         return "scales", _MLX
+    if layout.int_bits:
+        return "weight_packed", _INT_CT
     if layout.nvfp4:
         return ("weight_packed", _NVFP4_CT) if layout.method == "compressed-tensors" else ("weight_scale_2",
                                                                                            _NVFP4_MODELOPT)
@@ -312,6 +350,8 @@ def _packed_tensor(layout: Layout, module: str, parts: dict[str, SafetensorsTens
             raise WeightError(f"tensor {module}.scales in {origin} has shape {parts['scales'].shape}, but "
                               f"{bits}-bit groups of {group} over {shape} need {(out, shape[1] // group)}")
         return PackedTensor(name, f"int{bits}", shape, tuple(parts.items()), (("bits", bits), ("group_size", group)))
+    if layout.int_bits:
+        return _ct_int_tensor(layout, module, parts, origin)
     if "packed" in parts:  # NVFP4
         out, half = parts["packed"].shape
         if parts["scales"].shape != (out, half * 2 // 16):
@@ -337,6 +377,19 @@ def _packed_tensor(layout: Layout, module: str, parts: dict[str, SafetensorsTens
     if size not in (1, shape[0]):
         raise WeightError(f"scale of {name!r} in {origin} has shape {scale.shape}: neither per tensor nor per channel")
     return PackedTensor(name, "fp8", shape, tuple(parts.items()))
+
+
+def _ct_int_tensor(layout: Layout, module: str, parts: dict[str, SafetensorsTensor], origin: str) -> PackedTensor:
+    """A compressed-tensors pack-quantized linear as twinfer's affine int4/int8 (MLX's bit order)."""
+    bits, group = layout.int_bits, layout.block
+    out, words = parts["wq"].shape
+    shape = (out, words * 32 // bits)
+    if parts["wq"].dtype not in ("I32", "U32") or parts["scales"].shape != (out, shape[1] // group):
+        raise WeightError(f"tensor {module}.weight_packed / weight_scale in {origin} have {parts['wq'].dtype} "
+                          f"{parts['wq'].shape} / {parts['scales'].shape}; {bits}-bit groups of {group} over "
+                          f"{shape} need int32 words and scales {(out, shape[1] // group)}")
+    meta = (("bits", bits), ("group_size", group), ("offset", 1 << (bits - 1)))
+    return PackedTensor(module + ".weight", f"int{bits}", shape, tuple(parts.items()), meta)
 
 
 # -- numpy dequantization (what float readers get) -------------------------------------------------
