@@ -76,7 +76,7 @@ class Ops(Protocol):
         ...
 
     def act(self, x: Array, kind: str) -> Array:
-        """Elementwise activation: "silu" or "gelu_tanh"."""
+        """Elementwise activation: "silu", "gelu_tanh" or "sigmoid"."""
         ...
 
     def softcap(self, x: Array, cap: float) -> Array:
@@ -140,6 +140,29 @@ class Ops(Protocol):
         """Routed experts: x [T, C]; router [E, C]; gate/up [E, I, C]; down [E, C, I] -> [T, C].
 
         Routing follows `moe` (see MoESpec); `extras` holds the biases an architecture adds."""
+        ...
+
+    def causal_conv1d(self, x: Array, w: Array, ctx: StepContext, layer: int) -> Array:
+        """Depthwise causal convolution over each sequence's tokens: x [T, Ch], w [Ch, K] -> [T, Ch].
+
+        Output t is sum_j w[:, j] * input[t - K + 1 + j], reading before the chunk from the layer's conv
+        state of the sequence (its last K - 1 inputs; zeros at position 0), which the step then updates."""
+        ...
+
+    def gated_delta(
+        self, q: Array, k: Array, v: Array, a: Array, b: Array, decay: Array, dt_bias: Array, ctx: StepContext,
+        layer: int,
+    ) -> Array:
+        """The gated delta rule over each sequence's tokens with the layer's recurrent state S [Hv, Dk, Dv]
+        (float32; zeros at position 0): q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] -> [T, Hv, Dv].
+
+        In float32, per token: g = decay * softplus(a + dt_bias) and beta = sigmoid(b) per value head
+        (decay, dt_bias [Hv]); q and k L2-normalized (eps 1e-6), q scaled by Dk ** -0.5; value head h
+        reads key head h // (Hv / Hk). Then S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; out = S^T q."""
+        ...
+
+    def release_state(self, seq_id: int) -> None:
+        """Free the recurrent state of a sequence (a no-op for a model without LINEAR layers)."""
         ...
 
     def select_rows(self, x: Array, ctx: StepContext) -> Array:

@@ -39,6 +39,9 @@ class KVLayout:
     caps one sequence when the runner gives each sequence its own cells; such runners cannot share
     cells between sequences, so the engine turns prefix reuse off unless `copies_prefix` says the
     runner can copy one sequence's prefix into another's cells (llama.cpp's per-sequence streams).
+    `recurrent`: each sequence also carries a state that only moves forward (linear-attention layers,
+    kv/recurrent.py): it cannot be shared by prefix nor rolled back, so the engine turns prefix reuse
+    off and refuses speculative decoding; a preempted sequence recomputes from position 0.
     """
 
     block_size: int
@@ -47,6 +50,7 @@ class KVLayout:
     max_seqs: int = 1 << 30
     seq_tokens: int | None = None
     copies_prefix: bool = False
+    recurrent: bool = False
 
     @property
     def capacity_tokens(self) -> int:
@@ -171,6 +175,17 @@ class OpsRunner(Runner):
         self.ops = ops
         self.model = model_for(spec)
         self.weights = weights
+
+    def release(self, seq_id: int) -> None:
+        if self.spec.recurrent:
+            self.ops.release_state(seq_id)
+
+    def kv_sync(self, blocks: BlockManager, slots: int, running: Callable[[], int]) -> KVSync:
+        if not self.spec.recurrent:
+            return KVSync()
+        from twinfer.runtime.kv.recurrent import StateSync
+
+        return StateSync(self.release)  # state slots go back when a sequence is preempted, dropped or done
 
     def step(self, batch: StepBatch) -> np.ndarray:
         ctx = self.ops.begin_step(batch)

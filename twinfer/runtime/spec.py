@@ -13,6 +13,7 @@ from twinfer.runtime.errors import ModelError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+LINEAR = "linear_attention"  # a recurrent token mixer (gated delta rule): state per sequence, no KV
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,72 @@ class MLASpec:
     qk_rope_head_dim: int
     qk_nope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class DSASpec:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over MLA: a lightning indexer of `n_heads`
+    heads of `head_dim` scores each query's visible tokens, and attention reads only the `top_k` best.
+
+    Every layer that runs an indexer caches its key (`head_dim` numbers per token) beside the latent.
+    `indexers` marks those layers (empty: all); a layer without one reuses the selection of the last
+    layer before it that has one (GLM-5's shared layers).
+    """
+
+    n_heads: int
+    head_dim: int
+    top_k: int
+    indexers: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.indexers and not self.indexers[0]:
+            raise ModelError("sparse attention: layer 0 must run its own indexer (a shared layer reuses an earlier one's)")
+
+    def has_indexer(self, layer: int) -> bool:
+        return not self.indexers or self.indexers[layer]
+
+    def source(self, layer: int) -> int:
+        """The layer whose selection `layer` attends through: itself, or the last indexer before it."""
+        return max(i for i in range(layer + 1) if self.has_indexer(i))
+
+
+@dataclass(frozen=True)
+class LinearAttnSpec:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): a short causal depthwise convolution over the
+    projected q/k/v, then the gated delta rule, whose state per sequence is a [Hv, Dk, Dv] matrix.
+
+    A sequence's state (conv + delta, per linear layer) has a fixed size however long it grows, and
+    only moves forward: it cannot be cut back to an earlier position or shared by prefix.
+    """
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads or self.conv_kernel < 1:
+            raise ModelError(f"linear attention: {self.num_v_heads} value heads must be a multiple of "
+                             f"{self.num_k_heads} key heads, and the conv kernel at least 1")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, bytes_per_element: float = 2.0) -> float:
+        """One layer's state for one sequence: the conv's last K-1 inputs, and the fp32 delta state."""
+        conv = (self.conv_kernel - 1) * self.conv_dim * bytes_per_element
+        return conv + 4.0 * self.num_v_heads * self.head_k_dim * self.head_v_dim
 
 
 @dataclass(frozen=True)
@@ -135,6 +202,7 @@ class ModelSpec:
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     dsa: DSASpec | None = None  # sparse attention's indexer over the MLA latents
+    linear_attn: LinearAttnSpec | None = None  # the LINEAR layers' shape
     extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -150,6 +218,8 @@ class ModelSpec:
             raise ModelError(f"model spec: {len(self.layer_types)} layer types for {self.num_layers} layers")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError("model spec: sliding-window layers need a sliding_window size")
+        if LINEAR in self.layer_types and self.linear_attn is None:
+            raise ModelError("model spec: linear-attention layers need their linear_attn shape")
 
     # -- derived values ------------------------------------------------------------------------
     @property
@@ -176,6 +246,17 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers keep a recurrent state per sequence (see LinearAttnSpec)."""
+        return LINEAR in self.layer_types
+
+    def state_bytes_per_seq(self, bytes_per_element: float = 2.0) -> float:
+        """Recurrent-state bytes one sequence holds, whatever its length (0 without LINEAR layers)."""
+        if self.linear_attn is None:
+            return 0.0
+        return self.attention_types.count(LINEAR) * self.linear_attn.state_bytes(bytes_per_element)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.first_dense_layers
@@ -208,6 +289,8 @@ class ModelSpec:
             per_layer = 2.0 * self.kv_size
         total = 0.0
         for layer in range(self.num_layers):
+            if self.attention_types[layer] == LINEAR:
+                continue  # a recurrent layer holds no KV: its state is per sequence (state_bytes_per_seq)
             window = self.window(layer)
             share = 1.0 if window is None or context is None else min(1.0, window / max(context, 1))
             total += per_layer * share

@@ -178,6 +178,8 @@ def graphs_off_reason(ops: TorchOps, wanted: bool) -> str | None:
         return "TurboQuant KV caches run eagerly"
     if ops.spec.mla is not None:  # it gathers each step's [B, L] slots, which a replay does not copy in
         return "latent attention runs eagerly"
+    if ops.states is not None:  # a replay would read the slots of the step it was captured on
+        return "recurrent-state slots are bound per step (linear-attention layers)"
     if ops.spec.head_dim & (ops.spec.head_dim - 1):
         return f"head_dim {ops.spec.head_dim} is not a power of two (the decode kernel's tile)"
     return None

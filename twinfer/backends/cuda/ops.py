@@ -18,7 +18,7 @@ from twinfer.quant.linear import QuantizedExperts, QuantizedWeight
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.ops import ExpertExtras
 from twinfer.runtime.rope import attention_factor, inv_freq
-from twinfer.runtime.spec import SIGMOID, ModelSpec, MoESpec
+from twinfer.runtime.spec import LINEAR, SIGMOID, ModelSpec, MoESpec
 
 
 @dataclass
@@ -37,6 +37,7 @@ class TorchStep:
     # pure decode steps on the triton path (one token per sequence): the paged-attention kernel's inputs
     block_tables: torch.Tensor | None = None  # [B, W] int32 KV block ids, 0 where padded
     context_lens: torch.Tensor | None = None  # [B] int32 positions each query attends to (its own included)
+    state: Any = None  # the recurrent-state slots of the batch (recurrent.StateStep), for LINEAR layers
 
 
 class TorchOps:
@@ -68,7 +69,8 @@ class TorchOps:
         self.dtype = dtype
         self.block_size = block_size
         slots = num_blocks * block_size
-        mine = set(range(spec.num_layers) if layers is None else layers)
+        mine = set(range(spec.num_layers) if layers is None else layers) - {
+            i for i, t in enumerate(spec.attention_types) if t == LINEAR}  # recurrent layers keep no KV
 
         def cache(heads: int, dim: int) -> list[torch.Tensor]:
             return [torch.zeros((slots if i in mine else 0, heads, dim), dtype=dtype, device=self.device)
@@ -88,6 +90,11 @@ class TorchOps:
             self.k_cache, self.v_cache = cache(spec.num_kv_heads, spec.head_dim), cache(spec.num_kv_heads, spec.head_dim)
         self._inv_freq = [torch.from_numpy(inv_freq(spec, i)).to(self.device) for i in range(spec.num_layers)]
         self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
+        self.states = None
+        if spec.recurrent:
+            from twinfer.backends.cuda.recurrent import TorchStates
+
+            self.states = TorchStates(spec, self.device, dtype)
 
     @property
     def kv_bytes(self) -> int:
@@ -126,6 +133,7 @@ class TorchOps:
             block_tables, context_lens = self._paged_inputs(batch, table_width)
             tables, lens = up(block_tables), up(context_lens)
         return TorchStep(
+            state=self.states.bind(batch) if self.states is not None else None,
             block_tables=tables,
             context_lens=lens,
             tokens=up(np.asarray(batch.token_ids(), dtype=np.int64)),
@@ -211,6 +219,8 @@ class TorchOps:
             return F.silu(x)
         if kind == "gelu_tanh":
             return F.gelu(x, approximate="tanh")
+        if kind == "sigmoid":
+            return torch.sigmoid(x)
         raise ValueError(f"unknown activation {kind!r}")
 
     def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -426,6 +436,20 @@ class TorchOps:
         else:
             a = self.act(g, act) * u
         return F.linear(a, down[e], bias(xb.down_bias))
+
+    # -- linear attention (recurrent.py) ------------------------------------------------------------
+    def causal_conv1d(self, x: torch.Tensor, w: torch.Tensor, ctx: TorchStep, layer: int) -> torch.Tensor:
+        assert self.states is not None
+        return self.states.causal_conv1d(x, w, ctx.state, ctx.q_index, ctx.q_valid, layer)
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    decay: torch.Tensor, dt_bias: torch.Tensor, ctx: TorchStep, layer: int) -> torch.Tensor:
+        assert self.states is not None
+        return self.states.gated_delta(q, k, v, a, b, decay, dt_bias, ctx.state, ctx.q_index, ctx.q_valid, layer)
+
+    def release_state(self, seq_id: int) -> None:
+        if self.states is not None:
+            self.states.release(seq_id)
 
     # -- output --------------------------------------------------------------------------------
     def select_rows(self, x: torch.Tensor, ctx: TorchStep) -> torch.Tensor:

@@ -56,7 +56,7 @@ def build_torch_runner(
         raise ValueError(
             f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
         )
-    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
+    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size), recurrent=spec.recurrent)
     if padded_steps is None:
         padded_steps = cuda_graphs and torch.device(device).type == "cuda"
     ops = TorchOps(  # padded decode steps get one block more than the engine sees: their rows' scratch
@@ -69,7 +69,7 @@ def build_torch_runner(
             continue  # tied: the model reads `embed`; keep one copy on the device
         converted[name] = convert_weight(name, ops.weight(name, weights[name]), fmt)
     runner = TorchRunner(spec, ops, converted, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
-    runner.kv_port = TorchKVPort(ops)
+    runner.kv_port = None if spec.recurrent else TorchKVPort(ops)  # a recurrent state does not travel with the KV
     runner.traffic = torch_traffic(spec, converted, ops, (kv.num_blocks + int(padded_steps)) * block_size)
     return runner
 

@@ -23,7 +23,7 @@ from twinfer.quant.linear import QuantizedExperts, QuantizedWeight
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.ops import ExpertExtras
 from twinfer.runtime.rope import attention_factor, inv_freq
-from twinfer.runtime.spec import SIGMOID, ModelSpec, MoESpec
+from twinfer.runtime.spec import LINEAR, SIGMOID, ModelSpec, MoESpec
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -55,6 +55,7 @@ class MlxStep:
     kv_slots: mx.array  # [B, L] KV slot of each context position (0 where padded)
     rows: mx.array  # [R] index into T of the rows that need logits
     cache: dict[Any, mx.array] = field(default_factory=dict)  # masks and rope tables, per step
+    state: Any = None  # the recurrent-state slots of the batch (recurrent.MlxStateStep), for LINEAR layers
 
 
 class MlxOps:
@@ -79,9 +80,15 @@ class MlxOps:
             shape, v_shape = (slots, 1, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim), (0, 1, 0)
         # a TurboQuant KV format ("tq4", "tq2.5", "tq3-qjl") codes K/V per head (backends/metal/quant.py)
         self.kv_quant = _tq_kv_caches(spec, kv_format, slots, self.dtype)
-        dense = 0 if self.kv_quant else spec.num_layers
-        self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(dense)]
-        self.v_cache = [mx.zeros(v_shape, dtype=self.dtype) for _ in range(dense)]
+        dense = [] if self.kv_quant else spec.attention_types
+        none = (0, *shape[1:])  # recurrent layers keep no KV
+        self.k_cache = [mx.zeros(shape if t != LINEAR else none, dtype=self.dtype) for t in dense]
+        self.v_cache = [mx.zeros(v_shape if t != LINEAR else none, dtype=self.dtype) for t in dense]
+        self.states = None
+        if spec.recurrent:
+            from twinfer.backends.metal.recurrent import MlxStates
+
+            self.states = MlxStates(spec, self.dtype)
         if spec.dsa is not None and self.v_cache:  # sparse attention: the indexer's key per token, in the values' place
             dsa = spec.dsa
             self.v_cache = [mx.zeros((slots, 1, dsa.head_dim), dtype=self.dtype) if dsa.has_indexer(i) else c
@@ -130,6 +137,7 @@ class MlxOps:
             q_flat=up(q_flat),
             kv_slots=up(kv_slots),
             rows=up(batch.logit_token_index()),
+            state=self.states.bind(batch) if self.states is not None else None,
         )
 
     def weight(self, name: str, value: Any) -> Any:
@@ -171,6 +179,8 @@ class MlxOps:
             return x * mx.sigmoid(x)
         if kind == "gelu_tanh":  # torch's F.gelu(approximate="tanh"), term for term
             return 0.5 * x * (1.0 + mx.tanh(_GELU_BETA * (x + 0.044715 * (x * x * x))))
+        if kind == "sigmoid":
+            return mx.sigmoid(x)
         raise ValueError(f"unknown activation {kind!r}")
 
     def softcap(self, x: mx.array, cap: float) -> mx.array:
@@ -378,10 +388,25 @@ class MlxOps:
     def select_rows(self, x: mx.array, ctx: MlxStep) -> mx.array:
         return mx.take(x, ctx.rows, axis=0)
 
+    # -- linear attention (recurrent.py) ------------------------------------------------------------
+    def causal_conv1d(self, x: mx.array, w: mx.array, ctx: MlxStep, layer: int) -> mx.array:
+        assert self.states is not None
+        return self.states.causal_conv1d(x, w, ctx.state, ctx.q_index, ctx.q_flat, layer)
+
+    def gated_delta(self, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, decay: mx.array,
+                    dt_bias: mx.array, ctx: MlxStep, layer: int) -> mx.array:
+        assert self.states is not None
+        return self.states.gated_delta(q, k, v, a, b, decay, dt_bias, ctx.state, ctx.q_index, ctx.q_flat, layer)
+
+    def release_state(self, seq_id: int) -> None:
+        if self.states is not None:
+            self.states.release(seq_id)
+
     def to_host(self, x: mx.array) -> np.ndarray:
         out = x.astype(mx.float32)
         coded = [a for c in self.kv_quant for a in c.arrays()]
-        mx.eval(out, self.k_cache, self.v_cache, coded)  # the step's one wait: logits and KV writes together
+        states = self.states.arrays() if self.states is not None else []
+        mx.eval(out, self.k_cache, self.v_cache, coded, states)  # the step's one wait: logits and KV writes together
         return np.array(out, copy=True)
 
 

@@ -60,7 +60,7 @@ def _build(
             f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
         )
     _wire_working_set()
-    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
+    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size), recurrent=spec.recurrent)
     ops = MlxOps(spec, num_blocks=kv.num_blocks, block_size=block_size, dtype=dtype, kv_format=kv_format)
     weights = {}
     for name in names:
@@ -70,7 +70,7 @@ def _build(
     # cast: Ops types its step context as the StepContext protocol, backends as their own class
     runner = OpsRunner(spec, cast(Ops, ops), weights, kv, backend="mlx")
     runner.traffic = mlx_traffic(spec, weights, ops, kv.num_blocks * block_size)
-    runner.kv_port = MlxKVPort(ops)
+    runner.kv_port = None if spec.recurrent else MlxKVPort(ops)  # a recurrent state does not travel with the KV
     return runner
 
 

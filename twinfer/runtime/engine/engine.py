@@ -30,7 +30,7 @@ from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
 from twinfer.runtime.engine.sampler import Sampled, draft_rows, prompt_logprobs, sample, with_logprobs
 from twinfer.runtime.engine.scheduler import Schedule, Scheduled, Scheduler, SchedulerConfig
-from twinfer.runtime.errors import RequestError
+from twinfer.runtime.errors import RequestError, TwinferError
 from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.kv.connector import KVConnector, KVTransferParams
 from twinfer.runtime.runner import Runner
@@ -66,6 +66,11 @@ class Engine:
         kv = runner.kv
         self.exact = runner.exact_shapes() if self.config.batch_invariant else None
         shared_cells = kv.seq_tokens is None or kv.copies_prefix  # else per-sequence cells: no prefix reuse
+        shared_cells = shared_cells and not kv.recurrent  # a recurrent state is never kept per prefix
+        if proposer is not None and kv.recurrent:
+            raise TwinferError(f"{runner.spec.name or runner.spec.model_type} keeps a recurrent state per sequence "
+                               "(linear-attention layers), which cannot take back a rejected draft: speculative "
+                               "decoding is off for it; drop --speculate")
         prefix_cache = self.config.enable_prefix_cache and self.exact is None and shared_cells
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
         slots = kv.max_seqs - (self.exact.reserved_seqs if self.exact else 0)  # sequences the runner holds for us

@@ -19,7 +19,7 @@ from twinfer.runtime.loaders.published import pack as pack_layout
 from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor, read_safetensors
 from twinfer.runtime.loaders.weights import WeightSet
 from twinfer.runtime.models import architecture, model_for, supported_types
-from twinfer.runtime.spec import FULL, SLIDING, ModelSpec
+from twinfer.runtime.spec import FULL, LINEAR, SLIDING, ModelSpec
 
 if TYPE_CHECKING:  # the architecture files import the loaders' name machinery
     from twinfer.runtime.models.arch import Architecture, Fields
@@ -158,9 +158,9 @@ def _listed_layer_types(c: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     types = c.get("layer_types")
     if not types:
         return ()
-    if len(types) != n_layers or set(types) - {FULL, SLIDING}:
-        raise ModelError(f"config layer_types {types} do not fit {n_layers} full/sliding layers")
-    return tuple(types) if SLIDING in types else ()
+    if len(types) != n_layers or set(types) - {FULL, SLIDING, LINEAR}:
+        raise ModelError(f"config layer_types {types} do not fit {n_layers} full/sliding/linear layers")
+    return tuple(types) if SLIDING in types or LINEAR in types else ()
 
 
 def stored_tensors(folder: Path) -> dict[str, SafetensorsTensor]:

@@ -1,0 +1,134 @@
+"""Linear-attention layers on MLX: the torch backend's state pools (backends/cuda/recurrent.py) over mx.array.
+
+Each LINEAR layer holds conv [slots, K-1, Ch] in the model's dtype and delta [slots, Hv, Dk, Dv] in
+float32, one slot per sequence (`runtime.kv.recurrent.StateSlots`). A step gathers its sequences'
+slots, runs their tokens in order over the padded [B, Tq] view (padding never updates a state) and
+scatters the new states back; `MlxOps.to_host` evaluates them with the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from twinfer.runtime.batch import StepBatch
+from twinfer.runtime.kv.recurrent import StateSlots
+from twinfer.runtime.spec import LINEAR, ModelSpec
+
+
+@dataclass
+class MlxStateStep:
+    """The step's state slots [B], which start from zeros [B, 1, 1] (float 0/1 keep factors), the valid
+    query entries [B, Tq] and, per sequence, where in the padded conv input its new conv state starts."""
+
+    slots: mx.array
+    keep: mx.array
+    valid: mx.array
+    conv_tail: mx.array | None  # [B * (K-1)] rows of the flattened [B * (K-1+Tq), Ch] conv input
+
+
+class MlxStates:
+    """The conv and delta states of every LINEAR layer, for all sequences a runner holds."""
+
+    def __init__(self, spec: ModelSpec, dtype: mx.Dtype):
+        assert spec.linear_attn is not None
+        self.la, self.dtype = spec.linear_attn, dtype
+        self.layers = [i for i, t in enumerate(spec.attention_types) if t == LINEAR]
+        self.slots = StateSlots()
+        self.conv: dict[int, mx.array] = {}
+        self.delta: dict[int, mx.array] = {}
+        self._capacity = 0
+        self._grow(1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.conv.values(), *self.delta.values()]
+
+    def bind(self, batch: StepBatch) -> MlxStateStep:
+        binding = self.slots.bind(batch.chunks)
+        if self.slots.capacity > self._capacity:
+            self._grow(max(self.slots.capacity, 2 * self._capacity))
+        lengths = np.asarray([len(c.tokens) for c in batch.chunks])
+        B, Tq, K1 = len(lengths), int(lengths.max()), self.la.conv_kernel - 1
+        valid = np.arange(Tq)[None, :] < lengths[:, None]
+        tail = (np.arange(B)[:, None] * (K1 + Tq) + lengths[:, None] + np.arange(K1)[None, :]).reshape(-1)
+        keep = 1.0 - np.asarray(binding.reset, dtype=np.float32)
+        return MlxStateStep(mx.array(np.asarray(binding.slots, dtype=np.int32)), mx.array(keep),
+                            mx.array(valid), mx.array(tail.astype(np.int32)) if K1 else None)
+
+    def release(self, seq_id: int) -> None:
+        self.slots.release(seq_id)
+
+    def _grow(self, capacity: int) -> None:
+        """Room for `capacity` sequences; the states held keep their slots."""
+        la, K = self.la, self.la.conv_kernel
+        for i in self.layers:
+            conv = mx.zeros((capacity, K - 1, la.conv_dim), dtype=self.dtype)
+            delta = mx.zeros((capacity, la.num_v_heads, la.head_k_dim, la.head_v_dim), dtype=mx.float32)
+            if i in self.conv:
+                conv[: self._capacity] = self.conv[i]
+                delta[: self._capacity] = self.delta[i]
+            self.conv[i], self.delta[i] = conv, delta
+        self._capacity = capacity
+        mx.eval(self.arrays())
+
+    # -- the ops ---------------------------------------------------------------------------------
+    def causal_conv1d(self, x: mx.array, w: mx.array, st: MlxStateStep, q_index: mx.array, q_flat: mx.array,
+                      layer: int) -> mx.array:
+        """See Ops.causal_conv1d. x [T, Ch], w [Ch, K]; q_index [B, Tq] and q_flat [T] place the tokens."""
+        K = w.shape[1]
+        B, Tq = q_index.shape
+        pool = self.conv[layer]
+        prev = mx.take(pool, st.slots, axis=0) * st.keep[:, None, None].astype(pool.dtype)  # [B, K-1, Ch]
+        X = mx.where(st.valid[..., None], mx.take(x, q_index, axis=0), 0).astype(pool.dtype)  # [B, Tq, Ch]
+        full = mx.concatenate([prev, X], axis=1)  # [B, K-1+Tq, Ch]
+        out = full[:, :Tq] * w[:, 0]
+        for j in range(1, K):
+            out = out + full[:, j : j + Tq] * w[:, j]
+        if st.conv_tail is not None:  # the new state: the K-1 inputs before each sequence's end
+            tail = mx.take(full.reshape(B * (K - 1 + Tq), -1), st.conv_tail, axis=0)
+            pool[st.slots] = tail.reshape(B, K - 1, -1)
+            self.conv[layer] = pool
+        return mx.take(out.reshape(B * Tq, -1), q_flat, axis=0).astype(x.dtype)  # [T, Ch]
+
+    def gated_delta(self, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, decay: mx.array,
+                    dt_bias: mx.array, st: MlxStateStep, q_index: mx.array, q_flat: mx.array, layer: int
+                    ) -> mx.array:
+        """See Ops.gated_delta: q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] -> [T, Hv, Dv]."""
+        f32 = mx.float32
+        Hv, Dv, Dk = v.shape[1], v.shape[2], q.shape[-1]
+        B, Tq = q_index.shape
+        rep = Hv // q.shape[1]
+        g = decay.astype(f32) * _softplus(a.astype(f32) + dt_bias.astype(f32))  # [T, Hv]
+        beta = mx.sigmoid(b.astype(f32))
+        q = mx.repeat(_l2norm(q.astype(f32)), rep, axis=1) * Dk**-0.5  # [T, Hv, Dk]
+        k = mx.repeat(_l2norm(k.astype(f32)), rep, axis=1)
+        Q, Kk, V, G, Beta = (mx.take(t, q_index, axis=0) for t in (q, k, v.astype(f32), g, beta))
+        pool = self.delta[layer]
+        S = mx.take(pool, st.slots, axis=0) * st.keep[:, None, None, None]  # [B, Hv, Dk, Dv]
+        out = []
+        for t in range(Tq):
+            new = S * mx.exp(G[:, t])[..., None, None]
+            kv = (new * Kk[:, t, :, :, None]).sum(axis=-2)  # [B, Hv, Dv]
+            delta = (V[:, t] - kv) * Beta[:, t, :, None]
+            new = new + Kk[:, t, :, :, None] * delta[:, :, None, :]
+            out.append((new * Q[:, t, :, :, None]).sum(axis=-2))
+            S = mx.where(st.valid[:, t, None, None, None], new, S)  # padding keeps the state
+        pool[st.slots] = S
+        self.delta[layer] = pool
+        o = mx.stack(out, axis=1).reshape(B * Tq, Hv, Dv)
+        return mx.take(o, q_flat, axis=0).astype(v.dtype)  # [T, Hv, Dv]
+
+
+def _l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def _softplus(x: mx.array) -> mx.array:
+    # torch's F.softplus (beta 1, threshold 20): x itself above the threshold
+    return mx.where(x > 20.0, x, mx.logaddexp(x, mx.zeros_like(x)))
