@@ -46,10 +46,13 @@ class Efficiency:
 # (engine, device class) -> factors. Device classes: "hbm" and "gddr" GPUs (LPDDR GPUs count as
 # gddr), "apple", "cpu". Fitted values; docs/planner-accuracy.md lists the data behind each.
 DEFAULTS: dict[str, Efficiency] = {
-    # llama.cpp CUDA, Llama-2-7B Q4_0 scoreboard (discussion #15013) and gpt-oss runs: consumer
-    # cards sit at ~60k cycles/layer, HBM parts at ~130k (their batch-1 kernels wait on HBM latency).
+    # llama.cpp CUDA: bandwidth and layer_cycles fitted per class by `python -m twinfer.planners.scoreboard`
+    # on the training rows of llama.cpp's CUDA scoreboard (Llama-2-7B Q4_0, docs/data/llamacpp-cuda-scoreboard.json)
+    # and the published gpt-oss / DGX Spark rows: consumer cards sit at ~60k cycles/layer, HBM parts at ~130k
+    # (their batch-1 kernels wait on HBM latency); held-out scoreboard rows: median |error| 7.3%
+    # (docs/planner-accuracy.md, "Current results").
     "llamacpp/gddr": Efficiency(bandwidth=0.85, tensor=0.3, layer_cycles=60e3, moe_layer_factor=1.4),
-    "llamacpp/hbm": Efficiency(bandwidth=0.85, tensor=0.1, layer_cycles=130e3, moe_layer_factor=1.7),
+    "llamacpp/hbm": Efficiency(bandwidth=0.92, tensor=0.1, layer_cycles=130e3, moe_layer_factor=1.7),
     # llama.cpp Metal, Apple scoreboard (discussion #4167): M4 Pro vs M4 Max separates the
     # bandwidth term from the fixed per-layer term.
     "llamacpp/apple": Efficiency(bandwidth=0.90, tensor=0.65, layer_cycles=211e3, moe_layer_factor=1.0),

@@ -1,4 +1,5 @@
-"""The NVIDIA GPUs people own: GeForce RTX 20/30/40/50, RTX workstation cards, and PCIe data-center cards.
+"""The NVIDIA GPUs people own: GeForce RTX 20/30/40/50 (desktop and laptop), RTX and Quadro workstation
+cards, and PCIe data-center cards back to the Tesla K80.
 
 Every tensor and FP32 peak here is derived the way NVIDIA's own tables are: SM count x boost clock (the
 product page) x dense operations per clock per SM (the architecture whitepaper, `_ARCH`). The test
@@ -15,6 +16,11 @@ from twinfer.planners.hardware import GPU, LINK_GBS, Device
 
 # (dense tensor ops per clock per SM by dtype, FP32 lanes per SM, whitepaper)
 _ARCH: dict[str, tuple[dict[str, int], int, str]] = {
+    # no matrix units and no int8 dot product: every multiply runs on the FP32 lanes
+    "kepler": ({"f32": 384}, 192, "NVIDIA Kepler GK110/GK210 architecture whitepaper (192 FP32 lanes per SMX)"),
+    "maxwell": ({"f32": 256}, 128, "NVIDIA Maxwell GM200 architecture (128 FP32 lanes per SM)"),
+    # Pascal GP102 has no tensor cores; its int8 rate is the DP4A dot product llama.cpp's quantized kernels use
+    "pascal": ({"int8": 1024}, 128, "NVIDIA Tesla P40 datasheet (47 TOPS INT8 by DP4A, 12 TFLOPS FP32 at 30 SMs)"),
     "volta": ({"f16": 1024}, 64, "NVIDIA Tesla V100 GPU architecture whitepaper"),
     "turing": ({"f16": 1024, "int8": 2048}, 64, "NVIDIA Turing GPU architecture whitepaper (Tesla T4)"),
     "turing-geforce": ({"f16": 512, "int8": 2048}, 64,
@@ -99,6 +105,8 @@ GEFORCE: list[Device] = [
     _gf("rtx-4080", "RTX 4080 16GB", _ADA, 76, 2.505, 16, 716.8, "pcie4", _GF40 + "rtx-4080-family/"),
     _gf("rtx-4080-super", "RTX 4080 SUPER 16GB", _ADA, 80, 2.55, 16, 736, "pcie4", _GF40 + "rtx-4080-family/"),
     _gf("rtx-4090", "RTX 4090 24GB", _ADA, 128, 2.52, 24, 1008, "pcie4", _GF40 + "rtx-4090/"),
+    _gf("rtx-4090-d", "RTX 4090 D 24GB", _ADA, 114, 2.52, 24, 1008, "pcie4",
+        "nvidia.cn/geforce/graphics-cards/40-series/rtx-4090-d/ (14,592 CUDA cores)"),
     _gf("rtx-5060", "RTX 5060 8GB", _BW, 30, 2.497, 8, 448, "pcie5", _GF50 + "rtx-5060-family/", lanes=8),
     _gf("rtx-5060-ti", "RTX 5060 Ti", _BW, 36, 2.572, 16, 448, "pcie5", _GF50 + "rtx-5060-family/", lanes=8,
         options=(8, 16)),
@@ -133,6 +141,20 @@ WORKSTATION: list[Device] = [
            "nvidia.com/en-us/products/workstations/professional-desktop-gpus/rtx-pro-6000/ (4000 AI TOPS = FP4 "
            "with sparsity, 125 TFLOPS FP32; FP16/FP8 estimated at the GeForce Blackwell per-SM rates)",
            aliases=("pro-6000", "rtx-pro-6000-blackwell", "rtx-pro-6000-blackwell-workstation-edition")),
+    nv_row("rtx-pro-6000-max-q", "NVIDIA RTX PRO 6000 Blackwell Max-Q 96GB", "blackwell-geforce", 188, 2.285, 96, 1792,
+           "pcie5", "nvidia.com/en-us/products/workstations/professional-desktop-gpus/rtx-pro-6000-max-q/ (300 W, "
+           "110 TFLOPS FP32, 1792 GB/s)", aliases=("pro-6000-max-q", "rtx-pro-6000-blackwell-max-q",
+                                                  "rtx-pro-6000-blackwell-max-q-workstation-edition")),
+    nv_row("rtx-pro-4000", "NVIDIA RTX PRO 4000 Blackwell 24GB", "blackwell-geforce", 70, 2.617, 24, 672, "pcie5",
+           "nvidia.com/en-us/products/workstations/professional-desktop-gpus/rtx-pro-4000/ (8,960 CUDA cores, "
+           "46.9 TFLOPS FP32, 672 GB/s GDDR7; FP16/FP8 at the GeForce Blackwell per-SM rates)",
+           aliases=("pro-4000", "rtx-pro-4000-blackwell")),
+    nv_row("quadro-rtx-6000", "NVIDIA Quadro RTX 6000 24GB", "turing", 72, 1.77, 24, 672, "pcie3",
+           _PRO + "quadro-desktop-gpus/ (Quadro RTX 6000 datasheet: 4,608 CUDA cores, 130.5 TFLOPS tensor, 672 GB/s)",
+           aliases=("rtx-6000-turing",)),
+    nv_row("quadro-rtx-8000", "NVIDIA Quadro RTX 8000 48GB", "turing", 72, 1.77, 48, 672, "pcie3",
+           _PRO + "quadro-desktop-gpus/ (Quadro RTX 8000 datasheet: 4,608 CUDA cores, 130.5 TFLOPS tensor, 672 GB/s)",
+           aliases=("rtx-8000",)),
 ]
 
 DATACENTER_PCIE: list[Device] = [
@@ -143,6 +165,15 @@ DATACENTER_PCIE: list[Device] = [
            aliases=("v100", "tesla-v100", "v100-sxm2-32gb")),
     nv_row("v100-pcie", "NVIDIA V100 PCIe", "volta", 80, 1.38, 32, 900, "pcie3", _DC + "v100/ (V100 datasheet: "
            "112 TFLOPS tensor)", per_node=8, mtype="hbm", options=(16, 32), aliases=("v100-pcie-32gb",)),
+    nv_row("p40", "NVIDIA Tesla P40 24GB", "pascal", 30, 1.531, 24, 346, "pcie3",
+           "images.nvidia.com/content/tesla/pdf/Tesla-P40-Product-Brief.pdf (3,840 CUDA cores, 346 GB/s GDDR5)",
+           per_node=8, aliases=("tesla-p40",)),
+    nv_row("m40", "NVIDIA Tesla M40 24GB", "maxwell", 24, 1.112, 24, 288, "pcie3",
+           "images.nvidia.com/content/tesla/pdf/NVIDIA-Tesla-M40-Datasheet.pdf (3,072 CUDA cores, 7 TFLOPS FP32, "
+           "288 GB/s)", per_node=8, aliases=("tesla-m40", "m40-24gb", "tesla-m40-24gb")),
+    nv_row("k80", "NVIDIA Tesla K80 (one of its two GPUs) 12GB", "kepler", 13, 0.875, 12, 240, "pcie3",
+           "images.nvidia.com/content/pdf/kepler/Tesla-K80-BoardSpec-07317-001-v05.pdf (per GPU: 2,496 CUDA cores, "
+           "12 GB, 240 GB/s; the board's two GPUs do not share memory)", per_node=8, aliases=("tesla-k80",)),
     nv_row("a10", "NVIDIA A10 24GB", "ampere", 72, 1.695, 24, 600, "pcie4", _DC + "products/a10-gpu/ (125 TFLOPS "
            "BF16, 250 TOPS INT8)", per_node=8),
     nv_row("a30", "NVIDIA A30 24GB", "ga100", 56, 1.44, 24, 933, "pcie4", _DC + "products/a30-gpu/ (165 TFLOPS "
@@ -157,4 +188,30 @@ DATACENTER_PCIE: list[Device] = [
            "TFLOPS BF16, 733 FP8 dense)", per_node=8),
 ]
 
-OWNED_GPUS: list[Device] = GEFORCE + WORKSTATION + DATACENTER_PCIE
+_LAPTOP40 = "nvidia.com/en-us/geforce/laptops/40-series/ (laptop specs)"
+_LAPTOP30 = "nvidia.com/en-us/geforce/laptops/30-series/ (laptop specs)"
+
+
+def _laptop(key: str, label: str, arch: str, sms: int, boost: float, mem: float, bw: float, page: str,
+            lanes: int = 16, options: tuple[float, ...] = ()) -> Device:
+    """A laptop GPU at the top of its boost-clock range (the highest-power designs); the driver calls it
+    `NVIDIA GeForce <label> Laptop GPU`, with fewer SMs and less bandwidth than the desktop card of its number."""
+    short = key.removeprefix("rtx-")
+    return nv_row(key, f"NVIDIA GeForce {label} Laptop GPU", arch, sms, boost, mem, bw, "pcie4",
+                  f"{page}: {sms * 128:,} CUDA cores, {bw:g} GB/s", lanes=lanes, per_node=1, options=options,
+                  aliases=(short, key.replace("-laptop", "-mobile"), f"{key}-gpu"))
+
+
+LAPTOP: list[Device] = [
+    _laptop("rtx-3050-laptop", "RTX 3050", _A, 16, 1.74, 4, 192, _LAPTOP30, lanes=8, options=(4, 6)),
+    _laptop("rtx-3060-laptop", "RTX 3060", _A, 30, 1.703, 6, 336, _LAPTOP30),
+    _laptop("rtx-3070-laptop", "RTX 3070", _A, 40, 1.62, 8, 448, _LAPTOP30),
+    _laptop("rtx-3080-laptop", "RTX 3080", _A, 48, 1.71, 16, 448, _LAPTOP30, options=(8, 16)),
+    _laptop("rtx-4050-laptop", "RTX 4050", _ADA, 20, 2.37, 6, 192, _LAPTOP40, lanes=8),
+    _laptop("rtx-4060-laptop", "RTX 4060", _ADA, 24, 2.37, 8, 256, _LAPTOP40, lanes=8),
+    _laptop("rtx-4070-laptop", "RTX 4070", _ADA, 36, 2.175, 8, 256, _LAPTOP40, lanes=8),
+    _laptop("rtx-4080-laptop", "RTX 4080", _ADA, 58, 2.28, 12, 432, _LAPTOP40),
+    _laptop("rtx-4090-laptop", "RTX 4090", _ADA, 76, 2.04, 16, 576, _LAPTOP40),
+]
+
+OWNED_GPUS: list[Device] = GEFORCE + WORKSTATION + DATACENTER_PCIE + LAPTOP

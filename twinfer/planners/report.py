@@ -64,11 +64,14 @@ def _notes(plan: Plan) -> list[str]:
 
 
 def render_devices(rows: list[dict[str, object]]) -> str:
-    head = f"{'name':<16} {'memory GB':>9} {'GB/s':>7} {'link GB/s':>9}  label"
-    out = [head, "-" * 72]
+    head = f"{'name':<20} {'memory GB':>9} {'GB/s':>7} {'link GB/s':>9} {'TFLOPS':>7}  label"
+    out = [head, "-" * 84]
     for r in rows:
-        out.append(f"{r['name']!s:<16} {r['memory_gb']!s:>9} {r['bandwidth_gbs']!s:>7} "
-                   f"{r['interconnect_gbs']!s:>9}  {r['label']}")
+        tensor = r["tensor_tflops"] if isinstance(r["tensor_tflops"], dict) else {}
+        peak = max(tensor.get(k, 0.0) for k in ("bf16", "f16", "f32")) or r["vector_tflops"]  # 16-bit matrix peak
+        out.append(f"{r['name']!s:<20} {r['memory_gb']!s:>9} {r['bandwidth_gbs']!s:>7} "
+                   f"{r['interconnect_gbs']!s:>9} {float(str(peak)):>7.4g}  {r['label']}")
+    out.append("(TFLOPS: dense 16-bit matrix peak, else FP32; `twinfer hw --hardware NAME` shows each row's source)")
     return "\n".join(out)
 
 
