@@ -8,11 +8,20 @@ from typing import Any
 
 from twinfer.planners.calibration import Calibration
 from twinfer.planners.cost import _native, kv_native, on_huge_pages
-from twinfer.planners.formats import GOOD, LOSSY, MIXES
+from twinfer.planners.formats import GOOD, LOSSY, MIXES, mix
 from twinfer.planners.hardware import APPLE, Cluster
 from twinfer.planners.memory import FULL_LENGTH_KV, max_concurrency, max_context, memory_for
 from twinfer.planners.model import ModelProfile
-from twinfer.planners.search import Candidate, Request, first_refusal, search, target_of
+from twinfer.planners.search import (
+    Candidate,
+    Request,
+    as_published,
+    explicit,
+    first_refusal,
+    mix_refusal,
+    search,
+    target_of,
+)
 from twinfer.planners.units import fmt_bytes, fmt_rate, fmt_seconds
 
 
@@ -114,6 +123,27 @@ def _window_note(c: Candidate, request: Request) -> str:
     return ""
 
 
+def _asked_reason(c: Candidate, cluster: Cluster, request: Request) -> str | None:
+    """How a format named with --format is honoured: as asked, as its GGUF conversion where no runner here
+    holds it as published, or on the llama.cpp runner where the datacenter target would serve only natives."""
+    if not explicit(request):
+        return None
+    s, dev = c.strategy, cluster.device
+    asked = as_published(c.profile, mix(request.weights_format)) if request.weights_format not in (
+        "stored", "native") else (c.profile.stored or MIXES[c.profile.native])
+    line = f"--format {request.weights_format}: {asked.label or asked.name}, as asked"
+    if s.mix.name != asked.name:
+        why = mix_refusal(c.profile, cluster, request, asked)
+        line = (f"--format {request.weights_format} asks for {asked.label or asked.name}, which no runner here holds as "
+                f"published ({why}); planned as {s.mix.label}, its GGUF conversion with the same quantized tensors, "
+                f"on the llama.cpp runner")
+    if target_of(cluster) == "datacenter" and _needs_dequant(c, cluster):
+        line += (f"; not native on {dev.label} (its matrix units take {', '.join(sorted(dev.natives))}), so it runs "
+                 "on the llama.cpp runner, which runs it there (left to choose, the datacenter target serves only "
+                 "native formats)")
+    return line
+
+
 def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request: Request,
             cal: Calibration) -> tuple[list[str], list[str]]:
     s, mem, single = c.strategy, c.memory, c.single
@@ -129,7 +159,8 @@ def explain(c: Candidate, evaluated: list[Candidate], cluster: Cluster, request:
         f"{fmt_seconds(single.compute_s)} of math, "
         f"{fmt_seconds(single.dequant_s)} of dequantization, {fmt_seconds(single.fixed_s)} of fixed per-layer cost",
     ]
-    for line in (_compression_reason(c, evaluated, cluster), _native_reason(c, evaluated, cluster),
+    asked = _asked_reason(c, cluster, request)
+    for line in (asked, None if asked else _compression_reason(c, evaluated, cluster), _native_reason(c, evaluated, cluster),
                  _moe_reason(c, request), *_parallel_reason(c, cluster)):
         if line:
             reasons.append(line)

@@ -6,6 +6,11 @@ plans whose weights and KV cache the hardware consumes natively (docs/architectu
 the hardware does not need) and never falls back to a dequantizing format: when no native plan fits,
 there is no plan, and the explanation names the smallest change (more GPUs). Inside a pass the fastest plan at the
 requested concurrency wins after a discount for expected KL (`score`): 0.01 nats costs about 10% of speed.
+
+A format the user names (`--format`) is honoured wherever a runner runs it: on a datacenter target a
+non-native format is planned on the llama.cpp runner when that runner runs it (the native-only rule governs
+the formats the planner picks), and a published checkpoint no runner here holds as published (gpt-oss's
+MXFP4 experts on a GPU without FP4) is planned as its GGUF conversion (`LOCAL_EQUIVALENT`) on llama.cpp.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from twinfer.planners.cost import StepTime, Strategy, _native, decode_step, kv_n
 from twinfer.planners.executable import refusal
 from twinfer.planners.formats import (
     EMBED_TYPES,
+    FORMATS,
     GOOD,
     KV_FORMATS,
     MIXES,
@@ -128,7 +134,7 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
     if requested not in ("auto", ""):
         if requested in ("stored", "native"):
             return [profile.stored or mix(profile.native)]
-        return [mix(requested)]
+        return [as_published(profile, mix(requested))]
     if profile.stored is not None:  # a file runs as stored; requantized smaller only when that cannot fit
         if not requantize:
             return [profile.stored]
@@ -150,6 +156,16 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
     # Ampere): the search keeps them only where nothing native and smaller fits.
     upcasts = [MIXES[n] for n in ("fp8", half) if n != native.name and MIXES[n] not in smaller]
     return [native, *smaller, *upcasts]
+
+
+def as_published(profile: ModelProfile, asked: Mix) -> Mix:
+    """The published mix where `asked` names its main format: `--format mxfp4` on gpt-oss means its MXFP4
+    experts as released (attention in BF16), not every tensor requantized to MXFP4."""
+    native = MIXES.get(profile.native)
+    if native is None or profile.stored is not None or asked.name == native.name:
+        return asked
+    main = native.split("experts" if profile.moe else "mlp")[0][0]
+    return native if asked.default == main and asked.parts and FORMATS[main].family != "float" else asked
 
 
 def kv_formats(engine: str, requested: str, device_kind: str = "", half: str = "bf16") -> list[KVFormat]:
@@ -200,6 +216,34 @@ def pruned(profile: ModelProfile, share: float) -> ModelProfile:
     return out if profile.stored is None else type(out)(**{**out.__dict__, "stored": profile.stored})
 
 
+def explicit(request: Request) -> bool:
+    """Whether the request names a weight format (anything but `auto`)."""
+    return request.weights_format not in ("auto", "")
+
+
+def runnable_mixes(profile: ModelProfile, cluster: Cluster, request: Request, requantize: bool = False) -> list[Mix]:
+    """`weight_mixes`, plus, for a named format that no runner here holds as asked, its GGUF conversion
+    (`LOCAL_EQUIVALENT`: the same quantized tensors, which the llama.cpp runner runs)."""
+    target, half = target_of(cluster), half_dtype(cluster)
+    mixes = weight_mixes(profile, target, request.weights_format, requantize, half)
+    if not explicit(request):
+        return mixes
+    out = list(mixes)
+    for m in mixes:
+        eq = LOCAL_EQUIVALENT.get(m.name)
+        if eq and MIXES[eq] not in out and mix_refusal(profile, cluster, request, m):
+            out.append(MIXES[eq])
+    return out
+
+
+def mix_refusal(profile: ModelProfile, cluster: Cluster, request: Request, m: Mix) -> str:
+    """Why the runner for `m` refuses it here with every KV format asked for ("" when one runs)."""
+    engine = engine_for(m, cluster, target_of(cluster))
+    kvs = kv_formats(engine, request.kv_format, cluster.device.kind, half_dtype(cluster))
+    reasons = [refusal(profile, Strategy(m, kv, engine), cluster.device) for kv in kvs]
+    return "" if not all(reasons) else reasons[0]
+
+
 def enumerate_strategies(profile: ModelProfile, cluster: Cluster, request: Request, target: str,
                          prune: bool = False, requantize: bool = False) -> list[tuple[Strategy, ModelProfile]]:
     out: list[tuple[Strategy, ModelProfile]] = []
@@ -209,7 +253,7 @@ def enumerate_strategies(profile: ModelProfile, cluster: Cluster, request: Reque
     shares = [0.0] + (list(STREAM_SHARES) if streamable else [])
     prunes = PRUNE_SHARES if prune else (0.0,)
     half = half_dtype(cluster)
-    for m in weight_mixes(profile, target, request.weights_format, requantize, half):
+    for m in runnable_mixes(profile, cluster, request, requantize):
         engine = engine_for(m, cluster, target)
         for kv in kv_formats(engine, request.kv_format, cluster.device.kind, half):
             for tp, ep, pp, dp in layouts(profile, cluster):
@@ -226,7 +270,7 @@ def first_refusal(profile: ModelProfile, cluster: Cluster, request: Request) -> 
     """Why the runners refuse the formats asked for ("" when some strategy is one they run)."""
     target, half = target_of(cluster), half_dtype(cluster)
     reasons = []
-    for m in weight_mixes(profile, target, request.weights_format, False, half):
+    for m in runnable_mixes(profile, cluster, request):
         engine = engine_for(m, cluster, target)
         for kv in kv_formats(engine, request.kv_format, cluster.device.kind, half):
             why = refusal(profile, Strategy(m, kv, engine), cluster.device)
@@ -273,7 +317,11 @@ def search(profile: ModelProfile, cluster: Cluster, request: Request, cal: Calib
     fitting = [c for c in evaluated if c.fits]
     if target == "datacenter":  # only formats the hardware runs natively; none fitting = no plan
         native = [c for c in fitting if native_everywhere(c, cluster)]
-        return _best([c for c in native if c.tier <= GOOD]) or _best(native), evaluated
+        chosen = _best([c for c in native if c.tier <= GOOD]) or _best(native)
+        if chosen is None and explicit(request):  # a named format: wherever llama.cpp runs it
+            ran = [c for c in fitting if c.strategy.engine == "llamacpp"]
+            chosen = _best([c for c in ran if c.tier <= GOOD]) or _best(ran)
+        return chosen, evaluated
     chosen = _best([c for c in fitting if c.tier <= GOOD])
     if chosen is None and profile.stored is not None and request.weights_format in ("auto", ""):
         evaluated += [evaluate(p, cluster, s, request, cal)
