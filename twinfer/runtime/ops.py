@@ -28,6 +28,8 @@ class ExpertExtras:
     gate_bias: Array | None = None  # [E, I]
     up_bias: Array | None = None  # [E, I]
     down_bias: Array | None = None  # [E, C]
+    router_input: Array | None = None  # [T, C] the rows the router scores, where they are not x (Gemma 4)
+    expert_scale: Array | None = None  # [E] multiplies each chosen expert's routing weight (Gemma 4)
 
 
 class StepContext(Protocol):
@@ -97,6 +99,10 @@ class Ops(Protocol):
         self, q: Array, k: Array, v: Array, ctx: StepContext, layer: int, sinks: Array | None = None
     ) -> Array:
         """Store k, v [T, Hkv, D] in layer's KV cache, then attend causally: q [T, H, D] -> [T, H, D].
+
+        k and v None: attend over layer's cache as earlier layers of this step left it, storing
+        nothing (a layer that reuses another layer's KV, `ModelSpec.kv_source`). Head sizes and KV
+        heads are the layer's own (`ModelSpec.head_dim_for`, `kv_heads_for`).
 
         Each query sees its own sequence's keys up to its position, limited to the layer's sliding
         window when it has one. Scale is the spec's attention_scale. `sinks` [H] are per-head logits

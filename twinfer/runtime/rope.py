@@ -21,10 +21,12 @@ def inv_freq(spec: ModelSpec, layer: int) -> np.ndarray:
     """float32 [rotary_dim // 2] inverse frequencies of `layer`, with the spec's rope scaling applied."""
     dim = spec.rotary_dim
     base = spec.rope_base(layer)
+    scaling = spec.rope_scaling_for(layer)
+    if scaling and scaling.get("rope_type") == "proportional":
+        return _proportional(spec.head_dim_for(layer), base, scaling)
     # float32 throughout, as Hugging Face computes it, so logits match the reference bit for bit
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     freqs = np.float32(1.0) / (np.float32(base) ** exponent)
-    scaling = spec.rope_scaling_for(layer)
     if scaling:
         freqs = _scale(freqs, scaling, spec, base)
     return freqs.astype(np.float32)
@@ -89,6 +91,17 @@ def _yarn(freqs: np.ndarray, cfg: dict, spec: ModelSpec, base: float) -> np.ndar
     extrapolate = np.float32(1) - ramp.astype(np.float32)  # 1 where the frequency is kept
     interpolated = freqs / np.float32(factor)
     return interpolated * (np.float32(1) - extrapolate) + freqs * extrapolate
+
+
+def _proportional(head_dim: int, base: float, cfg: dict) -> np.ndarray:
+    """Gemma 4's "proportional" rope: the whole head turns, but only the first
+    `partial_rotary_factor * head_dim / 2` frequencies (exponents over the whole head_dim) are
+    non-zero; the rest are 0, so their dims pass through unrotated."""
+    angles = int(float(cfg.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponent = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    freqs = np.zeros(head_dim // 2, dtype=np.float32)
+    freqs[:angles] = np.float32(1.0) / (np.float32(base) ** exponent)
+    return (freqs / np.float32(cfg.get("factor", 1.0))).astype(np.float32)
 
 
 def _llama3(freqs: np.ndarray, cfg: dict) -> np.ndarray:

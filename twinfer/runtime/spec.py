@@ -199,6 +199,9 @@ class ModelSpec:
     partial_rotary_factor: float = 1.0  # rope rotates the first head_dim * this dims of each head
     attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
     final_logit_softcap: float | None = None
+    global_head_dim: int | None = None  # the FULL layers' head size, where it differs from head_dim (Gemma 4)
+    global_kv_heads: int | None = None  # the FULL layers' KV heads, where they differ from num_kv_heads
+    kv_shared_layers: int = 0  # the last N layers attend over the KV of the last earlier layer of their type
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     dsa: DSASpec | None = None  # sparse attention's indexer over the MLA latents
@@ -218,6 +221,11 @@ class ModelSpec:
             raise ModelError(f"model spec: {len(self.layer_types)} layer types for {self.num_layers} layers")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError("model spec: sliding-window layers need a sliding_window size")
+        if self.global_kv_heads and self.num_heads % self.global_kv_heads:
+            raise ModelError(f"model spec: num_heads={self.num_heads} is not a multiple of "
+                             f"global_kv_heads={self.global_kv_heads}")
+        if self.kv_shared_layers:
+            self._check_kv_sharing()
         if LINEAR in self.layer_types and self.linear_attn is None:
             raise ModelError("model spec: linear-attention layers need their linear_attn shape")
 
@@ -258,6 +266,35 @@ class ModelSpec:
             return 0.0
         return self.attention_types.count(LINEAR) * self.linear_attn.state_bytes(bytes_per_element)
 
+    def head_dim_for(self, layer: int) -> int:
+        """Head size of `layer`: global_head_dim on FULL layers where set, else head_dim."""
+        return self.global_head_dim if self.global_head_dim and self.attention_types[layer] == FULL else self.head_dim
+
+    def kv_heads_for(self, layer: int) -> int:
+        """KV heads of `layer`: global_kv_heads on FULL layers where set, else num_kv_heads."""
+        return self.global_kv_heads if self.global_kv_heads and self.attention_types[layer] == FULL else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache `layer` attends over: itself, or for the last `kv_shared_layers`
+        layers the last earlier layer of the same attention type (which stores it)."""
+        first = self.num_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        kind = self.attention_types[layer]
+        return max(j for j in range(first) if self.attention_types[j] == kind)
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether `layer` stores KV of its own (a layer sharing an earlier one's allocates none)."""
+        return layer < self.num_layers - self.kv_shared_layers
+
+    def _check_kv_sharing(self) -> None:
+        first = self.num_layers - self.kv_shared_layers
+        owners = set(self.attention_types[:first])
+        missing = set(self.attention_types[first:]) - owners
+        if first <= 0 or missing:
+            raise ModelError(f"model spec: kv_shared_layers={self.kv_shared_layers} leaves no earlier layer of "
+                             f"type {sorted(missing) or self.attention_types[0]!r} to share KV from")
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.first_dense_layers
 
@@ -281,14 +318,17 @@ class ModelSpec:
 
         MLA caches one latent of `kv_lora_rank + qk_rope_head_dim` per layer, shared by all heads.
         A sliding layer caches at most `sliding_window` tokens, so per token of a long context it
-        costs `min(1, window / context)` of a full layer.
+        costs `min(1, window / context)` of a full layer. A layer that reads an earlier layer's cache
+        (`kv_shared_layers`) costs nothing; FULL layers count their own head size and KV heads.
         """
-        if self.mla is not None:
-            per_layer = float(self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
-        else:
-            per_layer = 2.0 * self.kv_size
         total = 0.0
         for layer in range(self.num_layers):
+            if not self.owns_kv(layer):
+                continue
+            if self.mla is not None:
+                per_layer = float(self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+            else:
+                per_layer = 2.0 * self.kv_heads_for(layer) * self.head_dim_for(layer)
             if self.attention_types[layer] == LINEAR:
                 continue  # a recurrent layer holds no KV: its state is per sequence (state_bytes_per_seq)
             window = self.window(layer)

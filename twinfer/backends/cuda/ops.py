@@ -72,8 +72,11 @@ class TorchOps:
         mine = set(range(spec.num_layers) if layers is None else layers) - {
             i for i, t in enumerate(spec.attention_types) if t == LINEAR}  # recurrent layers keep no KV
 
-        def cache(heads: int, dim: int) -> list[torch.Tensor]:
-            return [torch.zeros((slots if i in mine else 0, heads, dim), dtype=dtype, device=self.device)
+        def cache(heads: int | None, dim: int | None) -> list[torch.Tensor]:
+            """None: each layer's own (kv_heads_for, head_dim_for); a layer reading another's KV holds none."""
+            return [torch.zeros((slots if i in mine and spec.owns_kv(i) else 0,
+                                 spec.kv_heads_for(i) if heads is None else heads,
+                                 spec.head_dim_for(i) if dim is None else dim), dtype=dtype, device=self.device)
                     for i in range(spec.num_layers)]
 
         # a TurboQuant KV format ("tq4", "tq2.5", "tq3-qjl") codes K/V per head (backends/cuda/quant.py)
@@ -87,7 +90,7 @@ class TorchOps:
                 self.v_cache = [c.new_zeros((c.shape[0], 1, dsa.head_dim)) if dsa.has_indexer(i) else c
                                 for i, c in enumerate(self.v_cache)]
         else:
-            self.k_cache, self.v_cache = cache(spec.num_kv_heads, spec.head_dim), cache(spec.num_kv_heads, spec.head_dim)
+            self.k_cache, self.v_cache = cache(None, None), cache(None, None)
         self._inv_freq = [torch.from_numpy(inv_freq(spec, i)).to(self.device) for i in range(spec.num_layers)]
         self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
         self.states = None
@@ -172,9 +175,9 @@ class TorchOps:
 
     def _decode_kernel_applies(self, batch: StepBatch) -> bool:
         """Pure decode on the triton path, with a head dim the kernel tiles (a power of two)."""
-        D = self.spec.head_dim
+        dims = {self.spec.head_dim_for(i) for i in range(self.spec.num_layers)}
         plain = self.spec.mla is None and not self.spec.attention_sinks
-        return (self._k is not None and plain and not self.kv_quant and D & (D - 1) == 0
+        return (self._k is not None and plain and not self.kv_quant and all(D & (D - 1) == 0 for D in dims)
                 and all(len(c.tokens) == 1 for c in batch.chunks))
 
     def weight(self, name: str, value: Any) -> Any:
@@ -266,8 +269,9 @@ class TorchOps:
             mask = self._mask(ctx, self.spec.window(layer))
             return self.kv_quant[layer].attention(q, k, v, ctx, mask, self.spec.attention_scale)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.index_copy_(0, ctx.slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.slots, v.to(v_cache.dtype))
+        if k is not None:  # None: the layer reads an earlier layer's KV (ModelSpec.kv_source)
+            k_cache.index_copy_(0, ctx.slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, ctx.slots, v.to(v_cache.dtype))
         if ctx.block_tables is not None and self._k is not None:  # decode: one query per sequence, T == B
             out: torch.Tensor = self._k.paged_decode_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.block_size,
@@ -368,7 +372,8 @@ class TorchOps:
     def route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec, extras: ExpertExtras | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k expert ids [T, k] and their weights [T, k] (x's dtype)."""
-        logits = F.linear(x, router, extras.router_bias if extras else None).float()  # [T, E]
+        scored = x if extras is None or extras.router_input is None else extras.router_input
+        logits = F.linear(scored, router, extras.router_bias if extras else None).float()  # [T, E]
         if moe.scoring == SIGMOID:
             weights, experts = _sigmoid_route(logits, moe, extras.score_bias if extras else None)
         else:
@@ -378,6 +383,8 @@ class TorchOps:
                 weights = weights / weights.sum(-1, keepdim=True)
         if moe.routed_scaling_factor != 1.0:
             weights = weights * moe.routed_scaling_factor
+        if extras is not None and extras.expert_scale is not None:
+            weights = weights * extras.expert_scale.float()[experts]
         return weights.to(x.dtype), experts
 
     def experts(
@@ -488,5 +495,7 @@ def _tq_kv_caches(
         return []
     from twinfer.backends.cuda.quant import TorchTQKV
 
-    heads, dim = spec.num_kv_heads, spec.head_dim
-    return [TorchTQKV(fmt, i, slots, heads, dim, device, dtype) for i in range(spec.num_layers)]
+    if spec.kv_shared_layers:
+        raise ValueError(f"KV format {kv_format!r} does not run layers that share KV; use a dense KV format")
+    return [TorchTQKV(fmt, i, slots, spec.kv_heads_for(i), spec.head_dim_for(i), device, dtype)
+            for i in range(spec.num_layers)]

@@ -93,6 +93,9 @@ class MlxOps:
             dsa = spec.dsa
             self.v_cache = [mx.zeros((slots, 1, dsa.head_dim), dtype=self.dtype) if dsa.has_indexer(i) else c
                             for i, c in enumerate(self.v_cache)]
+        if spec.mla is None and self.k_cache:  # each layer's own shape; a layer reading another's KV holds none
+            self.k_cache = [mx.zeros(_kv_shape(spec, i, c.shape[0]), dtype=self.dtype) for i, c in enumerate(self.k_cache)]
+            self.v_cache = [mx.zeros(_kv_shape(spec, i, c.shape[0]), dtype=self.dtype) for i, c in enumerate(self.v_cache)]
         self._inv_freq = [mx.array(inv_freq(spec, i)) for i in range(spec.num_layers)]
         self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
         self._gather_mm_f32 = mx.default_device().type == mx.cpu
@@ -224,9 +227,10 @@ class MlxOps:
             return self.kv_quant[layer].attention(q, k, v, ctx, mask, self.spec.attention_scale)
         T, H, D = q.shape
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache[ctx.slots] = k.astype(k_cache.dtype)  # a scatter: builds the next cache array
-        v_cache[ctx.slots] = v.astype(v_cache.dtype)
-        self.k_cache[layer], self.v_cache[layer] = k_cache, v_cache
+        if k is not None:  # None: the layer reads an earlier layer's KV (ModelSpec.kv_source)
+            k_cache[ctx.slots] = k.astype(k_cache.dtype)  # a scatter: builds the next cache array
+            v_cache[ctx.slots] = v.astype(v_cache.dtype)
+            self.k_cache[layer], self.v_cache[layer] = k_cache, v_cache
         B, Tq = ctx.q_index.shape
         Q = mx.take(q, ctx.q_index, axis=0).transpose(0, 2, 1, 3)  # [B, H, Tq, D]
         K = mx.take(k_cache, ctx.kv_slots, axis=0).transpose(0, 2, 1, 3)  # [B, Hkv, L, D]
@@ -369,7 +373,8 @@ class MlxOps:
                ) -> tuple[mx.array, mx.array]:
         """Router in float32, top-k (unordered): softmax renormalized when the spec says so, or sigmoid."""
         xb = extras or ExpertExtras()
-        logits = self.linear(x, router, xb.router_bias).astype(mx.float32)  # [T, E]
+        scored = x if xb.router_input is None else xb.router_input
+        logits = self.linear(scored, router, xb.router_bias).astype(mx.float32)  # [T, E]
         k = moe.top_k
         if moe.scoring == SIGMOID:
             weights, experts = _sigmoid_route(logits, moe, xb.score_bias)
@@ -382,6 +387,8 @@ class MlxOps:
                 weights = weights / weights.sum(axis=-1, keepdims=True)
         if moe.routed_scaling_factor != 1.0:
             weights = weights * moe.routed_scaling_factor
+        if xb.expert_scale is not None:
+            weights = weights * mx.take(xb.expert_scale.astype(mx.float32), experts)
         return weights.astype(x.dtype), experts
 
     # -- output --------------------------------------------------------------------------------
@@ -443,5 +450,11 @@ def _tq_kv_caches(spec: ModelSpec, kv_format: str | None, slots: int, dtype: mx.
         return []
     from twinfer.backends.metal.quant import MlxTQKV
 
-    heads, dim = spec.num_kv_heads, spec.head_dim
-    return [MlxTQKV(fmt, i, slots, heads, dim, dtype) for i in range(spec.num_layers)]
+    if spec.kv_shared_layers:
+        raise ValueError(f"KV format {kv_format!r} does not run layers that share KV; use a dense KV format")
+    return [MlxTQKV(fmt, i, slots, spec.kv_heads_for(i), spec.head_dim_for(i), dtype) for i in range(spec.num_layers)]
+
+
+def _kv_shape(spec: ModelSpec, layer: int, slots: int) -> tuple[int, int, int]:
+    """[slots, Hkv, D] of one layer's K or V cache, with no slots where it reads another layer's KV."""
+    return (slots if spec.owns_kv(layer) else 0, spec.kv_heads_for(layer), spec.head_dim_for(layer))

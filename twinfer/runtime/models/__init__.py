@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 MODEL_TYPES: dict[str, str] = {
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
