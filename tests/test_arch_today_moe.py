@@ -44,7 +44,7 @@ _ROOT = tempfile.TemporaryDirectory()
 
 @cache
 def minimax_model(case: str) -> Any:
-    return random_causal_lm("MiniMaxM2", {**BASE, **MINIMAX[case]})
+    return random_causal_lm("MiniMaxM2", {**BASE, **{**MINIMAX, **GGUF_CASES}[case]})
 
 
 @cache
@@ -139,6 +139,11 @@ KIMI: dict[str, dict[str, Any]] = {
                        n_routed_experts=4, num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=0,
                        rope_interleave=False),
 }  # fmt: skip
+# GGUF cases: the tiny tokenizer of tests/gguf_convert.py has 320 tokens
+GGUF_CASES: dict[str, dict[str, Any]] = {
+    "minimax_m2-gguf": dict(MINIMAX["minimax_m2-a"], vocab_size=320, max_position_embeddings=512),
+    "kimi_k25-gguf": dict(KIMI["kimi_k25-a"], vocab_size=320, max_position_embeddings=512),
+}
 # The smallest vision tower transformers builds: one layer (skipped by name, never run here)
 KIMI_VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, patch_size=14,
                    pos_emb_height=4, pos_emb_width=4, pos_emb_time=1)
@@ -147,7 +152,7 @@ KIMI_VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, nu
 @cache
 def kimi_model(case: str) -> Any:
     """transformers' Kimi K2.5 whose text model holds a random DeepSeek-V3's weights (fixtures_models' init)."""
-    text_kwargs = {**BASE, **KIMI[case]}
+    text_kwargs = {**BASE, **{**KIMI, **GGUF_CASES}[case]}
     text = random_causal_lm("DeepseekV3", text_kwargs)
     del text_kwargs["attn_implementation"]
     config = transformers.Kimi_K25Config(text_config=dict(text_kwargs, model_type="kimi_k2"), vision_config=KIMI_VISION,
@@ -332,3 +337,65 @@ def test_kimi_k25_int_options_twinfer_cannot_hold_are_refused_by_name(tmp_path: 
     with pytest.raises(QuantConfigError) as info:
         load_model(folder)
     assert f"weights.{key}" in str(info.value) or "weights=" in str(info.value), str(info.value)
+
+
+# -- GGUF: llama.cpp's own converter, twinfer's graph against the llama.cpp runner --------------------
+@cache
+def gguf_files() -> dict[str, Path]:
+    """minimax_m2 and Kimi K2.5 (published layout, INT4 experts) converted to f32 GGUF in one converter run.
+    config.json carries the routing keys published configs have and transformers drops (`scoring_func`),
+    and Kimi's published architecture name (transformers writes `Kimi_K25...`)."""
+    pytest.importorskip("llama_cpp")
+    from gguf_convert import convert_many, save_tiny_tokenizer
+
+    root = Path(_ROOT.name)
+    minimax = root / "minimax_m2-gguf"
+    minimax_model("minimax_m2-gguf").save_pretrained(minimax)
+    _released_config(minimax)
+    kimi, _ = kimi_int4("kimi_k25-gguf")
+    config = json.loads((kimi / "config.json").read_text())
+    config["architectures"] = ["KimiK25ForConditionalGeneration"]
+    config["text_config"] |= dict(scoring_func="sigmoid", topk_method="noaux_tc")
+    (kimi / "config.json").write_text(json.dumps(config))
+    for folder in (minimax, kimi):
+        save_tiny_tokenizer(folder, "deepseek")
+    out = {"minimax_m2": root / "minimax_m2.gguf", "kimi_k25": root / "kimi_k25.gguf"}
+    convert_many([(minimax, out["minimax_m2"]), (kimi, out["kimi_k25"])], "f32")
+    return out
+
+
+@pytest.mark.parametrize("case", ["minimax_m2", "kimi_k25"])
+def test_gguf_own_graph_matches_llamacpp(case: str) -> None:
+    from test_arch_gguf import MAX_KL, MIN_TOP1, TOKENS, WINDOW
+
+    from twinfer.app.models import open_model
+    from twinfer.quant.fidelity import RunnerSource, corpus_windows
+    from twinfer.quant.kl import KLAccumulator
+
+    path = gguf_files()[case]
+    spec = load_model(path).spec
+    assert spec.model_type == {"minimax_m2": "minimax_m2", "kimi_k25": "deepseek_v3"}[case]
+    windows = list(corpus_windows(str(path), "prose", TOKENS, WINDOW))
+    llama = RunnerSource(open_model(str(path), "llamacpp", max_seqs=1, ctx=256).runner)
+    ours = RunnerSource(open_model(str(path), "torch", max_seqs=1, ctx=256).runner)
+    acc = KLAccumulator()
+    for window in windows:
+        ref = llama.logits(window)[:-1]
+        assert float(ref.std()) > 0.5  # logits that can disagree
+        acc.add(ref, ours.logits(window)[:-1])
+    report = acc.report("llamacpp", "torch", "prose")
+    print(f"{case} GGUF: mean KL {report.mean_kl:.2e}, max {report.max_kl:.2e}, top-1 {report.top1_agreement:.3f}")
+    assert report.tokens >= TOKENS - len(windows)
+    assert report.mean_kl <= MAX_KL and report.top1_agreement >= MIN_TOP1, report
+
+
+def test_gguf_specs() -> None:
+    mm = load_model(gguf_files()["minimax_m2"]).spec
+    assert mm.rotary_dim == 8 and mm.num_kv_heads == 2 and mm.qk_norm
+    assert mm.moe is not None and (mm.moe.scoring, mm.moe.score_bias, mm.moe.norm_topk_prob) == ("sigmoid", True, True)
+    kimi = load_model(gguf_files()["kimi_k25"])
+    assert kimi.spec.mla is not None and kimi.spec.mla.q_lora_rank == 24 and kimi.spec.moe is not None
+    assert kimi.spec.moe.routed_scaling_factor == pytest.approx(2.827, rel=1e-6)
+    # the converter dequantized the INT4 experts: the file holds the published values exactly
+    expected = kimi_int4("kimi_k25-gguf")[1].model.language_model.layers[1].mlp.experts.down_proj.detach().numpy()
+    np.testing.assert_array_equal(kimi.weights.load("layers.1.experts.down"), expected)
