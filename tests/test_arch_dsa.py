@@ -211,3 +211,80 @@ def test_eval_kl_against_transformers(tmp_path: Path) -> None:
     report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
     print(f"eval kl glm_moe_dsa-a torch: mean KL {report['mean_kl']:.2e}, top-1 {report['top1_agreement']}")
     assert report["tokens"] >= 90 and report["mean_kl"] <= 1e-5 and report["top1_agreement"] == 1.0
+
+
+# -- GGUF: llama.cpp's converter and runner ----------------------------------------------------------
+GGUF_BASE = dict(vocab_size=320, hidden_size=64, max_position_embeddings=512, intermediate_size=96,
+                 moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                 kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, index_n_heads=16,
+                 index_head_dim=64, index_topk=8, first_k_dense_replace=1, n_group=2, topk_group=1,
+                 routed_scaling_factor=2.5, norm_topk_prob=True)  # llama.cpp's indexer rotates heads of 64k
+GGUF_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "glm_moe_dsa": ("GlmMoeDsa", "glm", dict(indexer_types=["full", "shared", "full"])),
+    "deepseek_v32": ("DeepseekV32", "deepseek", {}),
+}
+PUBLISHED = dict(scoring_func="sigmoid", topk_method="noaux_tc")  # keys transformers drops, the converter reads
+
+
+@cache
+def gguf_file(case: str) -> Path:
+    """`case` saved with a tiny tokenizer of its family and converted by llama.cpp's convert_hf_to_gguf.py;
+    skips the test when the converter refuses the folder."""
+    pytest.importorskip("llama_cpp")
+    from gguf_convert import convert, save_tiny_tokenizer
+
+    prefix, family, kwargs = GGUF_CASES[case]
+    folder = Path(_ROOT.name) / f"gguf-{case}"
+    random_causal_lm(prefix, GGUF_BASE | kwargs).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | PUBLISHED, indent=1))
+    save_tiny_tokenizer(folder, family)
+    try:
+        return convert(folder, Path(_ROOT.name) / f"{case}.gguf")
+    except RuntimeError as e:
+        if "add_bos_token" in str(e):  # DeepseekV32ForCausalLM's set_vocab asserts tokenizer.add_bos_token,
+            # which transformers 5 never sets for a tokenizer.json tokenizer (it drops the config's key)
+            pytest.skip("llama.cpp's convert_hf_to_gguf.py refuses DeepseekV32ForCausalLM: it asserts "
+                        "tokenizer.add_bos_token, which transformers 5 leaves False for a tokenizer.json tokenizer")
+        raise
+
+
+@pytest.mark.parametrize("case", ["glm_moe_dsa", pytest.param("deepseek_v32", marks=pytest.mark.slow)])
+def test_own_graph_matches_llamacpp(case: str) -> None:
+    """twinfer's torch graph on the converted file against the llama.cpp runner, teacher-forced over prose."""
+    from twinfer.app.models import open_model
+    from twinfer.quant.fidelity import RunnerSource, corpus_windows
+    from twinfer.quant.kl import KLAccumulator
+
+    path = gguf_file(case)
+    spec = load_model(path).spec
+    assert spec.model_type == case and spec.dsa is not None and spec.num_layers == 3
+    assert spec.dsa.indexers == ((True, False, True) if case == "glm_moe_dsa" else ())
+    windows = list(corpus_windows(str(path), "prose", 192, 64))
+    llama = RunnerSource(open_model(str(path), "llamacpp", max_seqs=1, ctx=256).runner)
+    ours = RunnerSource(open_model(str(path), "torch", max_seqs=1, ctx=256).runner)
+    acc = KLAccumulator()
+    for window in windows:
+        ref = llama.logits(window)[:-1]
+        assert float(ref.std()) > 0.5  # logits that can disagree
+        acc.add(ref, ours.logits(window)[:-1])
+    report = acc.report("llamacpp", "torch", "prose")
+    print(f"{case} GGUF: mean KL {report.mean_kl:.2e}, max {report.max_kl:.2e}, top-1 {report.top1_agreement:.3f}")
+    assert report.tokens >= 192 - len(windows) and report.mean_kl <= 0.01 and report.top1_agreement >= 0.94, report
+
+
+def test_gguf_greedy_chat_text_equals_llamacpp() -> None:
+    """`twinfer generate --chat` on the GLM-5 file: the file's template, the same greedy text on both runners."""
+    from typer.testing import CliRunner
+
+    from twinfer.cli.main import app
+
+    path = gguf_file("glm_moe_dsa")
+    texts = {}
+    for backend in ("llamacpp", "torch"):
+        r = CliRunner().invoke(app, ["generate", str(path), "The engine", "--backend", backend, "--chat",
+                                     "-n", "12", "-t", "0", "--threads", "1"])
+        assert r.exit_code == 0, r.output
+        texts[backend] = r.stdout
+    assert texts["llamacpp"].strip() and texts["llamacpp"] == texts["torch"], texts
