@@ -116,6 +116,25 @@ def _gemma3(name: str, repo: str, d: int, L: int, h: int, kv: int, hd: int, inte
     return Entry(name, spec, repo)
 
 
+def _gemma4(name: str, repo: str, d: int, L: int, h: int, kv: int, global_kv: int, inter: int,
+            experts: tuple[int, int, int] | None = None) -> Entry:
+    """Gemma 4 (text_config of the published config.json): 5:1 sliding (256-wide heads, window 1024) and
+    global layers (512-wide heads, `global_kv` KV heads, K = V); `experts` (count, top-k, size) run
+    beside the dense MLP, which the spec counts as one shared expert of `inter`."""
+    moe = None if experts is None else MoESpec(
+        num_experts=experts[0], top_k=experts[1], expert_intermediate_size=experts[2], num_shared_experts=1,
+        shared_intermediate_size=inter)
+    spec = ModelSpec(model_type="gemma4", name=name, vocab_size=262144, hidden_size=d, num_layers=L, num_heads=h,
+                     num_kv_heads=kv, head_dim=256, intermediate_size=inter, max_position=262144, rope_theta=1e6,
+                     rope_local_theta=1e4, sliding_window=1024, layer_types=_every(6, L), hidden_act="gelu_tanh",
+                     tie_word_embeddings=True, qk_norm=True, embed_scale=True, softmax_scale=1.0,
+                     final_logit_softcap=30.0, global_head_dim=512, global_kv_heads=global_kv, moe=moe,
+                     rope_scaling=(("factor", 1.0), ("partial_rotary_factor", 0.25), ("rope_type", "proportional")),
+                     extra=(("per_layer_dim", 0), ("per_layer_vocab", 262144), ("k_eq_v", True),
+                            ("double_wide_mlp", False)))
+    return Entry(name, spec, repo)
+
+
 ENTRIES: list[Entry] = [
     _llama("llama-2-7b", "meta-llama/Llama-2-7b-hf", 4096, 32, 32, 32, 11008, vocab=32000, theta=1e4, max_pos=4096),
     _llama("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 4096, 32, 32, 8, 14336),
@@ -144,6 +163,8 @@ ENTRIES: list[Entry] = [
         moe=MoESpec(num_experts=8, top_k=2, expert_intermediate_size=14336)), "mistralai/Mixtral-8x7B-v0.1"),
     _gemma3("gemma-3-270m", "google/gemma-3-270m", 640, 18, 4, 1, 256, 2048, 262144, 512, 256.0, 32768),
     _gemma3("gemma-3-27b", "google/gemma-3-27b-it", 5376, 62, 32, 16, 128, 21504, 262208, 1024, 168.0, 131072),
+    _gemma4("gemma-4-31b", "google/gemma-4-31B-it", 5376, 60, 32, 16, 4, 21504),
+    _gemma4("gemma-4-26b-a4b", "google/gemma-4-26B-A4B-it", 2816, 30, 16, 8, 2, 2112, experts=(128, 8, 704)),
 ]
 
 CATALOG: dict[str, Entry] = {e.name: e for e in ENTRIES}

@@ -7,7 +7,8 @@ Each rule mirrors one place the runtime refuses, named in its message:
   checkpoint's published format (MXFP4 experts, dequantized), and on a GPU takes only formats its
   tensor cores multiply (`check_format`, priced by `cost._native`);
 - TurboQuant KV codes K and V per head, so latent attention (MLA) and attention sinks do not run on it
-  (`TorchOps.latent_attention`, `TorchOps._sink_attention` and their MLX twins);
+  (`TorchOps.latent_attention`, `TorchOps._sink_attention` and their MLX twins), nor layers that read
+  another layer's KV (`_tq_kv_caches`);
 - the llama.cpp runner loads GGUF files with an F16, Q8_0 or Q4_0 cache.
 """
 
@@ -41,6 +42,8 @@ def refusal(profile: ModelProfile, s: Strategy, device: Device) -> str:
         return "latent attention (MLA) does not run on a TurboQuant KV cache"
     if turboquant and spec.attention_sinks:
         return "attention sinks do not run on a TurboQuant KV cache"
+    if turboquant and spec.kv_shared_layers:
+        return "layers that share KV (Gemma 4's last layers) do not run on a TurboQuant KV cache"
     if s.engine == "torch":
         published = s.mix.name == profile.native or s.mix is profile.stored
         formats = set() if published else s.mix.formats() - CONVERTED

@@ -24,6 +24,8 @@ def component(name: str, ndim: int) -> str:
     """The planner component of a canonical weight name (see runtime/loaders/names.py)."""
     if name in ("embed", "lm_head"):
         return name
+    if name == "per_layer.embed":  # Gemma 4's per-layer embedding table: gathered like the embedding
+        return "embed"
     leaf = name.split(".", 2)[2] if name.startswith("layers.") else name
     if "norm" in leaf or ndim <= 1 and not leaf.endswith("bias"):
         return "norm"

@@ -224,8 +224,10 @@ def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
     head_dim, kv_heads = _global_attention(c, types)
     moe = None
     if c.get("enable_moe_block"):
+        # the dense MLP beside the experts runs for every token: to the planner, one shared expert
         moe = MoESpec(num_experts=int(c["num_experts"]), top_k=int(c["top_k_experts"]),
-                      expert_intermediate_size=int(c["moe_intermediate_size"]))
+                      expert_intermediate_size=int(c["moe_intermediate_size"]), num_shared_experts=1,
+                      shared_intermediate_size=fields["intermediate_size"])
     extra = (("per_layer_dim", int(c.get("hidden_size_per_layer_input") or 0)),
              ("per_layer_vocab", int(c.get("vocab_size_per_layer_input") or fields["vocab_size"])),
              ("k_eq_v", bool(c.get("attention_k_eq_v"))), ("double_wide_mlp", bool(c.get("use_double_wide_mlp"))))
