@@ -124,6 +124,62 @@ def test_logits_match_transformers(case: str, backend: str) -> None:
     assert err <= TOL
 
 
+def test_indexer_topk_and_layer_norm_agree_between_backends() -> None:
+    """`Ops.indexer_topk` on random inputs, two sequences in one step over scattered blocks: torch and MLX
+    each pick a numpy reference's top k of the visible tokens (differing only at a float64 tie to 1e-5)."""
+    import mlx.core as mx
+
+    from twinfer.backends.cuda.ops import TorchOps
+    from twinfer.backends.metal.ops import MlxOps
+
+    spec = load_model(saved("deepseek_v32-a")).spec
+    assert spec.dsa is not None
+    H, D, k = spec.dsa.n_heads, spec.dsa.head_dim, 6
+    lens = (21, 9)
+    gen = np.random.default_rng(3)
+    q, key = gen.normal(size=(sum(lens), H, D)), gen.normal(size=(sum(lens), D))
+    w = gen.normal(size=(sum(lens), H))
+    batch = StepBatch([SeqChunk(0, list(range(lens[0])), 0, [4, 1, 7, 2, 9, 3], LogitsWanted.ALL),
+                       SeqChunk(1, list(range(lens[1])), 0, [0, 5, 8], LogitsWanted.ALL)])
+    torch_ops = TorchOps(spec, num_blocks=12, block_size=BLOCK)
+    tctx = torch_ops.begin_step(batch)
+    torch_ops.indexer_topk(*(torch.tensor(a, dtype=torch.float32) for a in (q, key, w)), tctx, 0, k)
+    mlx_ops = MlxOps(spec, num_blocks=12, block_size=BLOCK)
+    mctx = mlx_ops.begin_step(batch)
+    mlx_ops.indexer_topk(*(mx.array(a.astype(np.float32)) for a in (q, key, w)), mctx, 0, k)
+    picks = {"torch": tctx.cache[("selection", 0)].numpy(), "mlx": np.array(mctx.cache[("selection", 0)])}
+    start = 0
+    for b, n in enumerate(lens):
+        s = slice(start, start + n)
+        scores = np.einsum("th,ths->ts", w[s], np.maximum(np.einsum("thd,sd->ths", q[s], key[s]), 0))
+        for t in range(n):
+            visible = scores[t, : t + 1]
+            kth = np.sort(visible)[::-1][min(k, t + 1) - 1]
+            for name, pick in picks.items():
+                chosen = pick[b, 0, t, : t + 1]
+                assert chosen.sum() == min(k, t + 1) and not pick[b, 0, t, t + 1 :].any(), (name, b, t)
+                wrong = chosen != (visible >= kth)
+                assert np.all(np.abs(visible[wrong] - kth) <= 1e-5 * np.abs(kth)), (name, b, t)
+        start += n
+
+
+def test_layer_norm_agrees_between_backends() -> None:
+    import mlx.core as mx
+
+    from twinfer.backends.cuda.ops import TorchOps
+    from twinfer.backends.metal.ops import MlxOps
+
+    spec = load_model(saved("deepseek_v32-a")).spec
+    gen = np.random.default_rng(4)
+    x, g, beta = gen.normal(size=(7, 32)), gen.normal(size=32), gen.normal(size=32)
+    ln_t = TorchOps(spec, num_blocks=1, block_size=BLOCK).layer_norm(
+        *(torch.tensor(a, dtype=torch.float32) for a in (x, g, beta)), 1e-6).numpy()
+    ln_m = np.array(MlxOps(spec, num_blocks=1, block_size=BLOCK).layer_norm(
+        *(mx.array(a.astype(np.float32)) for a in (x, g, beta)), 1e-6))
+    ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6) * g + beta
+    assert np.abs(ln_t - ln_m).max() <= 1e-6 and np.abs(ln_t - ref).max() <= 1e-5
+
+
 @pytest.mark.parametrize("case", ["deepseek_v32-a", "glm_moe_dsa-b"])
 def test_the_selection_changes_the_logits(case: str) -> None:
     """Dense MLA (every token kept) is far from transformers: the tests above see the indexer's choice."""
