@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.quant.allowance import LLAMA_CPP_CPU
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.errors import TwinferError
 
@@ -32,7 +33,9 @@ class Allowance:
 
 
 SAME_ARITHMETIC = Allowance(1e-6, True, "lossless, same fp32 arithmetic")
-LLAMA_CPP = Allowance(0.01, False, "llama.cpp quantizes activations in its matmuls (measured floor 0.0063)")
+# the kernel floor `twinfer eval kl` judges endpoints by (quant/allowance.py), the same allowance over it
+LLAMA_CPP = Allowance(LLAMA_CPP_CPU.allowance, False, f"llama.cpp quantizes activations in its matmuls: kernel floor "
+                                                      f"{LLAMA_CPP_CPU.kl:g}, within kernel noise up to {LLAMA_CPP_CPU.allowance:.3g}")
 GENERATION = Allowance(None, True, "lossless: greedy output identical")
 
 

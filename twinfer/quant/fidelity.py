@@ -8,6 +8,8 @@ A backend SPEC may carry options after a colon, comma-separated: `torch:kv=tq4`,
 `mlx:kv=tq2.5,weights=int4`, `torch:kv=tq3-qjl`, `llamacpp:kv=q4_0`. `kv` is a TurboQuant KV format
 on torch/mlx (quant/kv_format.py) or a llama.cpp cache type; `weights` quantizes every layer
 projection to one registry format (torch/mlx). Option runs use float32 on the torch backend.
+`llamacpp:mode=fast` runs llama.cpp's kernels as `twinfer serve` does by default (weights repacked);
+plain `llamacpp` keeps the weights as stored (row-invariant).
 
 quant imports no backend: every function that runs a model takes a `RunnerFactory` (the app layer's
 `twinfer.app.runners.RUNNERS`) and gets its runners from it.
@@ -104,7 +106,7 @@ def open_source(spec: str, model: str | None, window: int, runners: RunnerFactor
     return RunnerSource(runner_with_options(backend, options, model, _ctx_for(window), runners))
 
 
-SPEC_OPTIONS = {"llamacpp": ("kv",), "torch": ("kv", "weights"), "mlx": ("kv", "weights")}
+SPEC_OPTIONS = {"llamacpp": ("kv", "mode"), "torch": ("kv", "weights"), "mlx": ("kv", "weights")}
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -133,10 +135,11 @@ def runner_with_options(backend: str, options: dict[str, str], model: str | None
 
     if backend == "llamacpp":
         kv_type = options.get("kv", "f16")
+        mode = {"mode": options["mode"]} if "mode" in options else {}
         try:
-            return runners.open(model, "llamacpp", max_seqs=2, ctx=ctx, kv_type=kv_type)
-        except ValueError as e:  # the runner names the cache types it accepts
-            raise TwinferError(f"llamacpp:kv={kv_type}: {e}") from e
+            return runners.open(model, "llamacpp", max_seqs=2, ctx=ctx, kv_type=kv_type, **mode)
+        except ValueError as e:  # the runner names the cache types (and modes) it accepts
+            raise TwinferError(f"{backend}:{','.join(f'{k}={v}' for k, v in options.items())}: {e}") from e
     loaded = load_model(resolve_path(model))
     from twinfer.quant.kv_format import parse_kv_format
     from twinfer.quant.model_io import QuantizedView, quantizable

@@ -9,6 +9,11 @@ model of the tail (quant/topk_kl.py); the plain tail-bucket lower bound is repor
 
 Before scoring, the endpoint's tokenizer must agree with the model's on the corpus (vLLM's
 `/tokenize` where it exists, else the prompt token count the endpoint reports).
+
+The verdict (quant/allowance.py) weighs the KL against a kernel floor: where the reference is llama.cpp,
+its KL against its own other kernel path (weights repacked vs as stored) on the same windows, measured
+here; otherwise a declared class. The report prints the floor, where it came from, and which kernels the
+reference ran.
 """
 
 from __future__ import annotations
@@ -21,14 +26,23 @@ from typing import Any
 
 import numpy as np
 
-from twinfer.quant.fidelity import RunnerFactory, corpus_windows, open_source
-from twinfer.quant.kl import KLReport
+from twinfer.quant.allowance import (
+    DEGRADED,
+    FAITHFUL_KL,
+    LLAMA_CPP_CPU,
+    KernelFloor,
+    kernels_line,
+    other_kernels,
+    verdict,
+    verdict_line,
+)
+from twinfer.quant.fidelity import LogitSource, RunnerFactory, corpus_windows, open_source
+from twinfer.quant.kl import KLReport, kl_rows
 from twinfer.quant.topk_kl import BOUND, ESTIMATOR, TopRow, topk_estimate_rows
 from twinfer.runtime.corpus import corpus_text
 from twinfer.runtime.errors import TwinferError
 from twinfer.runtime.model_path import resolve_path
 
-FAITHFUL_KL = 1e-3  # mean KL at or below which an endpoint serves the model faithfully
 PROBE_BIAS = 100.0  # OpenAI's largest logit_bias: the probed token becomes the greedy choice
 
 
@@ -186,24 +200,30 @@ class RemoteKLReport:
     sigma: float = 0.0  # RMS over rows of the fitted sigma of log q - log p
     probes: int = 0  # logit_bias probes answered (tokens outside the top k whose logprob was learnt)
     probe_kind: str | None = None  # how the endpoint answers them: "raw", "biased" or "refused"
-    threshold: float = FAITHFUL_KL
+    threshold: float = FAITHFUL_KL  # the most a faithful verdict allows (never above the floor's allowance)
+    floor: KernelFloor = LLAMA_CPP_CPU  # what two faithful kernel paths of this model differ by
+    kernels: str = ""  # which kernels the reference ran, against what `twinfer serve` runs
+
+    @property
+    def verdict(self) -> str:
+        """faithful, within kernel noise, or degraded (quant/allowance.py)."""
+        return verdict(self.kl.mean_kl, self.floor, self.threshold)
 
     @property
     def faithful(self) -> bool:
-        return self.kl.mean_kl <= self.threshold
+        """Not degraded: faithful or within kernel noise."""
+        return self.verdict != DEGRADED
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         out = {**self.kl.as_dict(), **{k: v for k, v in d.items() if k not in ("kl", "bound")},
-               "faithful": self.faithful, "estimator": f"{ESTIMATOR}, k = {self.top_k}"}
+               "faithful": self.faithful, "verdict": self.verdict, "allowance": self.floor.allowance,
+               "estimator": f"{ESTIMATOR}, k = {self.top_k}"}
         if self.bound is not None:
             out["bound"] = {**self.bound.as_dict(), "estimator": f"{BOUND}, k = {self.top_k}"}
         return out
 
     def lines(self) -> list[str]:
-        verdict = (f"faithful: mean KL {self.kl.mean_kl:.2e} <= {self.threshold:g}" if self.faithful else
-                   f"FLAGGED: mean KL {self.kl.mean_kl:.2e} > {self.threshold:g}: the endpoint does not serve "
-                   "this model faithfully")
         return [
             *self.kl.lines(),
             f"  endpoint {self.endpoint}: model {self.served_model!r}, system_fingerprint {self.system_fingerprint}",
@@ -212,7 +232,9 @@ class RemoteKLReport:
             *([f"  lower bound ({BOUND}): mean KL {self.bound.mean_kl:.2e}"] if self.bound is not None else []),
             *([f"  {self.probes} logit_bias probes ({self.probe_kind} logprobs)"] if self.probe_kind else []),
             f"  {self.seconds:.1f} s",
-            f"  {verdict}",
+            *([f"  {self.kernels}"] if self.kernels else []),
+            f"  {self.floor.line()}",
+            f"  {verdict_line(self.kl.mean_kl, self.floor, self.threshold)}",
         ]
 
 
@@ -280,6 +302,9 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
     how = check_tokenizer(endpoint, tokenizer, _corpus_sample(corpus, tokens))
     pieces = PieceIndex(tokenizer)
     ref = open_source(reference, model, window, runners)
+    other = other_kernels(reference)
+    alt = open_source(other[0], model, window, runners) if other else None
+    floors: list[np.ndarray] = []
     ests, bounds, agrees, tails, sigmas, method, n_probes = [], [], [], [], [], "", 0
     deadline = time.perf_counter() + probe_seconds
     for w in windows:
@@ -287,6 +312,8 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
             continue
         rows, method = endpoint_rows(endpoint, w, top_k, pieces)
         ref_logits = ref.logits(w)[:-1]
+        if alt is not None:
+            floors.append(_floor_rows(ref_logits, alt, w))
         probed = probe_rows(endpoint, w, rows, ref_logits, top_k, pieces, probes, deadline) if probes else None
         n_probes += sum(len(p) for p in probed or ())
         scored = topk_estimate_rows(ref_logits, rows, top_k, probed)
@@ -300,7 +327,19 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
     return RemoteKLReport(report, url, endpoint.model, endpoint.system_fingerprint, time.perf_counter() - start,
                           method, top_k, how, float(np.concatenate(tails).mean()), bound,
                           float(np.sqrt(np.mean(np.concatenate(sigmas) ** 2))), n_probes, endpoint.probe_kind,
-                          threshold)
+                          threshold, _floor(floors, other[1] if other else "", corpus), kernels_line(reference))
+
+
+def _floor_rows(ref_logits: np.ndarray, other: LogitSource, tokens: list[int]) -> np.ndarray:
+    return kl_rows(ref_logits, other.logits(tokens)[:-1])
+
+
+def _floor(rows: Sequence[np.ndarray], what: str, corpus: str) -> KernelFloor:
+    """The measured floor over the scored rows, or llama.cpp's declared one where none was measured."""
+    if not rows:
+        return LLAMA_CPP_CPU
+    kl = np.concatenate(rows)
+    return KernelFloor(float(kl.mean()), f"measured: {what}, on these {kl.size} tokens of {corpus}")
 
 
 def probe_rows(endpoint: Endpoint, tokens: list[int], rows: Sequence[TopRow], ref_logits: np.ndarray, k: int,
