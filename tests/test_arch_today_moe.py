@@ -55,8 +55,10 @@ def minimax_saved(case: str) -> Path:
 
 
 # -- minimax_m2 ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", sorted(BUILDERS))
-@pytest.mark.parametrize("case", list(MINIMAX))
+@pytest.mark.parametrize(("case", "backend"), [
+    *((c, "torch") for c in MINIMAX), ("minimax_m2-a", "mlx"),
+    *(pytest.param(c, "mlx", marks=pytest.mark.slow) for c in list(MINIMAX)[1:]),
+])
 def test_minimax_m2_logits_match_transformers(case: str, backend: str) -> None:
     err = max_error(case, backend, minimax_saved(case), reference=minimax_model(case))
     print(f"{case} {backend}: max |dlogit| = {err:.2e}")
@@ -399,3 +401,58 @@ def test_gguf_specs() -> None:
     # the converter dequantized the INT4 experts: the file holds the published values exactly
     expected = kimi_int4("kimi_k25-gguf")[1].model.language_model.layers[1].mlp.experts.down_proj.detach().numpy()
     np.testing.assert_array_equal(kimi.weights.load("layers.1.experts.down"), expected)
+
+
+# -- expert streaming and parallelism --------------------------------------------------------------
+@pytest.mark.parametrize(("case", "backend"), [
+    ("minimax_m2-a", "torch"), ("kimi_k25-a", "torch"),
+    *(pytest.param(c, "mlx", marks=pytest.mark.slow) for c in ("minimax_m2-a", "kimi_k25-a")),
+])
+def test_streamed_greedy_equals_resident_at_half_budget(case: str, backend: str) -> None:
+    """Batch-1 expert streaming through a cache of half the experts' bytes gives the resident run's tokens."""
+    from test_arch_streaming import PROMPT, STEPS, _runners
+
+    from twinfer.runtime.experts import expert_params
+    from twinfer.runtime.synthetic import greedy_tokens
+
+    stream, full = _runners(backend)
+    loaded = load_model(minimax_saved(case) if case.startswith("minimax") else kimi_saved(case))
+    spec = loaded.spec
+    assert spec.moe is not None
+    want = greedy_tokens(full(loaded, kv_tokens=64), PROMPT, STEPS)  # type: ignore[operator]
+    moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    half = spec.moe.num_experts * moe_layers * expert_params(spec) * 4 // 2
+    runner = stream(loaded, cache_bytes=half, kv_tokens=64)  # type: ignore[operator]
+    cache = runner.ops.cache
+    try:
+        assert greedy_tokens(runner, PROMPT, STEPS) == want
+        assert cache.stats.misses > 0 and cache.stats.evictions > 0 and cache.resident_bytes <= half
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize(("case", "config"), [
+    ("minimax_m2-a", "tp2"), ("minimax_m2-b", "tp2"),
+    *(pytest.param(c, p, marks=pytest.mark.slow) for c in ("minimax_m2-a", "minimax_m2-b") for p in ("ep2", "tp2xep2")),
+])
+def test_minimax_m2_parallel_matches_single_process(case: str, config: str) -> None:
+    """TP splits the whole-projection QK norms with their heads (one KV head replicated in -b) and sums
+    their mean square across the tensor group; logits within 1e-5 of one process, identical tokens."""
+    from test_parallel import BLOCK, KV_TOKENS, workload
+    from test_parallel import TOL as PARALLEL_TOL
+
+    from twinfer.backends.cuda.parallel import ParallelConfig, RunOptions, WeightSource, launch
+    from twinfer.backends.cuda.runner import load_torch_runner
+
+    folder = minimax_saved(case)
+    parallel = {"tp2": ParallelConfig(tp=2), "ep2": ParallelConfig(ep=2), "tp2xep2": ParallelConfig(tp=2, ep=2)}
+    want_rows, want_tokens = workload(load_torch_runner(load_model(folder), kv_tokens=KV_TOKENS, block_size=BLOCK))
+    runner = launch(WeightSource(path=str(folder)), parallel[config],
+                    RunOptions(kv_tokens=KV_TOKENS, block_size=BLOCK, timeout_s=180))
+    try:
+        got_rows, got_tokens = workload(runner)
+    finally:
+        runner.close()
+    err = float(np.abs(got_rows - want_rows).max())
+    print(f"{case} {config}: max |dlogit| vs one process = {err:.2e}")
+    assert got_rows.shape == want_rows.shape and err <= PARALLEL_TOL and got_tokens == want_tokens

@@ -20,6 +20,7 @@ from twinfer.backends.cuda.parallel.dispatch import all_to_all_moe
 from twinfer.backends.cuda.parallel.layout import ParallelConfig, RankPosition
 from twinfer.backends.cuda.parallel.shard import (
     EXPERTS,
+    NORM,
     ROW,
     VOCAB,
     WeightReader,
@@ -37,11 +38,12 @@ LOGITS_TAG = 1 << 20  # pipeline tags: micro-batch index for hidden states, this
 
 @dataclass
 class Sharded:
-    """A weight slice that needs a collective after use: ROW (sum over tp), VOCAB (tp), EXPERTS (stage)."""
+    """A weight slice that needs a collective after use: ROW (sum over tp), VOCAB (tp), EXPERTS (stage),
+    NORM (the mean square over tp)."""
 
     tensor: torch.Tensor
     kind: str
-    offset: int = 0  # VOCAB: first token id held; EXPERTS: first expert id held
+    offset: int = 0  # VOCAB: first token id held; EXPERTS: first expert id held; NORM: values summed over
 
 
 class ParallelTorchOps(TorchOps):
@@ -60,6 +62,13 @@ class ParallelTorchOps(TorchOps):
             return y if bias is None else y + bias
         assert w.kind == VOCAB  # lm_head (or the tied embedding): each rank has a slice of the vocabulary
         return self.tp.all_gather(F.linear(x, w.tensor, bias), dim=-1)
+
+    def rms_norm(self, x: torch.Tensor, w: Any, eps: float) -> torch.Tensor:
+        if not isinstance(w, Sharded):
+            return super().rms_norm(x, w, eps)
+        xf = x.float()  # this rank's heads of a norm over the whole projection: sum the squares of all ranks
+        mean_square = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / w.offset
+        return (xf * torch.rsqrt(mean_square + eps) * w.tensor.float()).to(x.dtype)
 
     def embedding(self, table: Any, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(table, Sharded):
@@ -116,7 +125,7 @@ class ShardedModel:
             if part is None:  # another stage's weight: never read
                 continue
             t = self.ops.weight(name, read_part(weights, name, part))
-            self.weights[name] = Sharded(t, part.kind, part.offset) if part.kind in (ROW, VOCAB, EXPERTS) else t
+            self.weights[name] = Sharded(t, part.kind, part.offset) if part.kind in (ROW, VOCAB, EXPERTS, NORM) else t
         if "lm_head" in self.weights and "embed" not in self.weights:
             self.weights["embed"] = self.weights["lm_head"]  # `Model.logits` evaluates w["embed"] as its default
 

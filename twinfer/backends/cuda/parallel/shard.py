@@ -6,7 +6,8 @@ tensor group afterwards); the embedding and lm_head are vocab-parallel; experts 
 expert groups, each expert's width across tensor ranks; norms and the router are replicated. A
 pipeline stage keeps only its own layers (the embedding on the first stage, norm and lm_head on
 the last). Fewer KV heads than tensor ranks are replicated, so every rank holds the KV head its
-query heads read. Multi-head latent attention splits its heads (`q`/`q_b`, the absorbed `kv_b_k`,
+query heads read. A QK norm over the whole projection (MiniMax-M2) splits with its heads, and its
+mean square is summed across the tensor group (`NORM`). Multi-head latent attention splits its heads (`q`/`q_b`, the absorbed `kv_b_k`,
 `kv_b_v`) and replicates the latent: every rank caches the whole latent its heads attend over.
 Shared experts split like the dense MLP; attention sinks by head; expert biases with their experts.
 
@@ -28,7 +29,7 @@ from twinfer.runtime.errors import WeightError
 from twinfer.runtime.loaders.weights import Region
 from twinfer.runtime.spec import ModelSpec
 
-REPLICATED, COLUMN, ROW, VOCAB, EXPERTS = "replicated", "column", "row", "vocab", "experts"
+REPLICATED, COLUMN, ROW, VOCAB, EXPERTS, NORM = "replicated", "column", "row", "vocab", "experts", "norm"
 _REPLICATED = {"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "router",
                "router_bias", "router_score_bias", "o_bias",
                # MLA's low-rank down-projections and their norms: every rank needs the whole latent
@@ -41,7 +42,7 @@ class Part:
 
     kind: str  # REPLICATED, COLUMN, ROW, VOCAB or EXPERTS
     region: Region = ()  # one slice per leading axis; () is the whole tensor
-    offset: int = 0  # VOCAB: first token id; EXPERTS: first expert id
+    offset: int = 0  # VOCAB: first token id; EXPERTS: first expert id; NORM: values the summed squares cover
 
 
 class WeightReader(Protocol):
@@ -113,6 +114,8 @@ def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankP
         n = spec.vocab_size // tp
         return Part(VOCAB, (slice(t * n, (t + 1) * n),), t * n)
     part = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if part in ("q_norm", "k_norm") and tp > 1 and _projection_wide(part, shape, spec):
+        return _projection_norm(part, shape, spec, pos)
     if name == "norm" or part in _REPLICATED:
         return Part(REPLICATED)
     D = spec.head_dim
@@ -135,6 +138,23 @@ def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankP
     if part.startswith("experts."):
         return _experts_part(part, shape, pos)
     raise WeightError(f"no tensor-parallel rule for weight {name!r}; the parallel torch backend cannot split it")
+
+
+def _projection_wide(part: str, shape: tuple[int, ...], spec: ModelSpec) -> bool:
+    """Whether a q/k norm spans the whole projection (every head) rather than one head."""
+    heads = spec.num_heads if part == "q_norm" else spec.num_kv_heads
+    return heads > 1 and shape == (heads * spec.head_dim,)
+
+
+def _projection_norm(part: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankPosition) -> Part:
+    """A whole-projection norm's slice, cut like its q or k rows; replicated KV heads count once per copy."""
+    tp, t, D = pos.config.tp, pos.tp_rank, spec.head_dim
+    if part == "q_norm":
+        h = spec.num_heads // tp
+        return Part(NORM, (slice(t * h * D, (t + 1) * h * D),), shape[0])
+    kv = spec.num_kv_heads
+    first, n, copies = (t * kv // tp, kv // tp, 1) if kv % tp == 0 else (t * kv // tp, 1, tp // kv)
+    return Part(NORM, (slice(first * D, (first + n) * D),), shape[0] * copies)
 
 
 def _experts_part(part: str, shape: tuple[int, ...], pos: RankPosition) -> Part:
