@@ -72,7 +72,7 @@ HARDWARE: list[str | Device] = [
     "apple:memory=128GB,bandwidth=400GB/s,vector=13.6TFLOPS",
     _cpu("2-core AVX2 laptop", 16, 20, 0.19, 0.38), _cpu("16-core AVX-512 server", 512, 120, 2.4, 9.6),
 ]
-ARCHS = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "gpt_oss")
+ARCHS = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "gpt_oss", "minimax_m2")
 
 
 # the default run's share of HARDWARE: each target, a node, a GPU without native FP8, Apple, a CPU

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from twinfer.planners.hardware import normalize
 from twinfer.planners.model import ModelProfile, profile_from_spec
 from twinfer.runtime.errors import PlanError
-from twinfer.runtime.spec import FULL, SLIDING, DSASpec, MLASpec, ModelSpec, MoESpec
+from twinfer.runtime.spec import FULL, SIGMOID, SLIDING, DSASpec, MLASpec, ModelSpec, MoESpec
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,21 @@ def _glm5(name: str, repo: str) -> Entry:
     return Entry(name, spec, repo)
 
 
+def _kimi_k25(name: str, repo: str) -> Entry:
+    """Kimi K2.5's text_config: Kimi K2's shape at 256K context, its routed experts published in INT4."""
+    k2 = _deepseek(name, repo, 64, 384, 1, 163840, 262144)
+    return Entry(name, k2.spec, repo, native="int4-moe")
+
+
+def _minimax_m2(name: str, repo: str) -> Entry:
+    spec = ModelSpec(model_type="minimax_m2", name=name, vocab_size=200064, hidden_size=3072, num_layers=62,
+                     num_heads=48, num_kv_heads=8, head_dim=128, intermediate_size=1536, max_position=196608,
+                     rope_theta=5e6, partial_rotary_factor=0.5, qk_norm=True,
+                     moe=MoESpec(num_experts=256, top_k=8, expert_intermediate_size=1536,
+                                 router_softmax_before_topk=False, scoring=SIGMOID, score_bias=True))
+    return Entry(name, spec, repo, native="fp8")
+
+
 def _gpt_oss(name: str, L: int, experts: int) -> Entry:
     spec = ModelSpec(model_type="gpt_oss", name=name, vocab_size=201088, hidden_size=2880, num_layers=L,
                      num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, max_position=131072,
@@ -151,6 +166,8 @@ ENTRIES: list[Entry] = [
     _deepseek("deepseek-v3", "deepseek-ai/DeepSeek-V3", 128, 256, 3, 129280, 163840),
     _deepseek("deepseek-r1", "deepseek-ai/DeepSeek-R1", 128, 256, 3, 129280, 163840),
     _deepseek("kimi-k2", "moonshotai/Kimi-K2-Instruct", 64, 384, 1, 163840, 131072),
+    _kimi_k25("kimi-k2.5", "moonshotai/Kimi-K2.5"),
+    _minimax_m2("minimax-m2.5", "MiniMaxAI/MiniMax-M2.5"),
     _glm("glm-4.5", "zai-org/GLM-4.5", 5120, 92, 12288, 1536, 160, 3),
     _glm("glm-4.5-air", "zai-org/GLM-4.5-Air", 4096, 46, 10944, 1408, 128, 1),
     _deepseek_v32("deepseek-v3.2", "deepseek-ai/DeepSeek-V3.2"),

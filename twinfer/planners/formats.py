@@ -168,6 +168,9 @@ MIXES: dict[str, Mix] = {m.name: m for m in [
     # gpt-oss as published: MXFP4 experts, everything else BF16.
     Mix("mxfp4-moe", "bf16", (("experts", (("mxfp4", 1.0),)), ("experts_down", (("mxfp4", 1.0),))),
         label="MXFP4 experts + BF16"),
+    # Kimi K2.5 as published: symmetric INT4 experts in groups of 32 (compressed-tensors), everything else BF16.
+    Mix("int4-moe", "bf16", (("experts", (("int4", 1.0),)), ("experts_down", (("int4", 1.0),))),
+        label="INT4 experts + BF16"),
     # The same checkpoint converted to GGUF by ggml-org: MXFP4 experts, Q8_0 elsewhere.
     Mix("gguf-mxfp4", "q8_0", (("experts", (("mxfp4", 1.0),)), ("experts_down", (("mxfp4", 1.0),))),
         label="MXFP4 experts + Q8_0 (GGUF)", engines=("llamacpp",)),

@@ -117,7 +117,8 @@ def engine_for(m: Mix, cluster: Cluster, target: str) -> str:
 
 
 # The GGUF a local runner would load for a checkpoint published in each format.
-LOCAL_EQUIVALENT = {"bf16": "f16", "fp8": "q8_0", "mxfp4-moe": "gguf-mxfp4"}
+# INT4 experts: llama.cpp's converter writes them dequantized; Q4_0 holds the same symmetric 4-bit groups of 32.
+LOCAL_EQUIVALENT = {"bf16": "f16", "fp8": "q8_0", "mxfp4-moe": "gguf-mxfp4", "int4-moe": "q4_0"}
 
 
 def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize: bool = False,
