@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     n, p = args.seqs, args.prompt_tokens
     runners = {name: open_model(None, "llamacpp", max_seqs=n, ctx=4096,
-                                runner_options={"unified_kv": unified, "repack": True}).runner
+                                kv_layout="unified" if unified else "streams", mode="fast").runner
                for name, unified in (("unified", True), ("streams", False))}
     rng = np.random.default_rng(0)
     prefill: dict[str, list[float]] = {k: [] for k in runners}

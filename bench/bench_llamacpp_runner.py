@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from twinfer.backends.llamacpp import LlamaCppRunner
+from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
 from twinfer.backends.llamacpp.runner import default_threads
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.cpu import cpu_model
@@ -29,7 +29,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 def bench_runner(path: Path, prompt: list[int], gen: int, threads: int, **kw: Any) -> dict[str, Any]:
-    with LlamaCppRunner(path, n_ctx=2048, max_seqs=1, n_threads=threads, **kw) as runner:
+    with LlamaCppRunner(path, LlamaCppOptions(n_ctx=2048, max_seqs=1, n_threads=threads, **kw)) as runner:
         t0 = time.perf_counter()
         logits = runner.step(StepBatch([SeqChunk(0, prompt, 0, logits=LogitsWanted.LAST)]))
         out = [int(logits[0].argmax())]

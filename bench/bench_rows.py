@@ -15,7 +15,7 @@ import json
 import time
 
 from twinfer.app.bench import hardware_info
-from twinfer.backends.llamacpp.runner import LlamaCppRunner
+from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.loaders import default_model_path
 
@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--kv-type", default="f16")
     args = ap.parse_args()
-    runner = LlamaCppRunner(default_model_path(), n_ctx=1024, max_seqs=1, n_threads=args.threads,
-                            kv_type=args.kv_type)
+    runner = LlamaCppRunner(default_model_path(), LlamaCppOptions(n_ctx=1024, max_seqs=1, n_threads=args.threads,
+                            kv_type=args.kv_type))
     ctx = args.context
     runner.step(StepBatch([SeqChunk(0, list(range(1000, 1000 + ctx)), 0, logits=LogitsWanted.LAST)]))
     ms: dict[str, dict[int, float]] = {"all_logits": {}, "last_logit": {}, "no_logits": {}}

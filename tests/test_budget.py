@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twinfer.app.budget import open_with_budget, ops_strategy, parse_budget
+from twinfer.app import OpenOptions, open_session
+from twinfer.app.budget import ops_strategy, parse_budget
 from twinfer.quant.fidelity import RunnerSource, corpus_windows
 from twinfer.quant.kl import KLAccumulator
 from twinfer.runtime.errors import PlanError
@@ -58,7 +59,9 @@ def test_default_model_torch_budget_holds_half_precision(default_model: Path) ->
     pytest.importorskip("torch")
     from twinfer.app.models import open_model
 
-    opened, strategy = open_with_budget(str(default_model), "torch", "700MB", ctx=256)
+    session = open_session(OpenOptions(str(default_model), "torch", ctx=256, memory_budget="700MB"))
+    opened, strategy = session.opened, session.strategy
+    assert strategy is not None
     assert strategy.dtype == "bfloat16" and strategy.predicted_bytes <= 700e6
     full = open_model(str(default_model), "torch", max_seqs=1, ctx=256)
     mean_kl, top1 = _kl(full.runner, opened.runner, default_model, tokens=47)
@@ -74,7 +77,9 @@ def test_default_model_llamacpp_budget_runs_the_plan(default_model: Path, tmp_pa
     stored = default_model.stat().st_size
     # the file as stored needs ~434 MB at 1024 tokens with F16 KV; requantizing only the projections keeps
     # the tied Q8_0 embedding (178 MB), so the plan fits 400 MB by requantizing the embedding too
-    opened, strategy = open_with_budget(str(default_model), "llamacpp", "400MB", ctx=1024)
+    session = open_session(OpenOptions(str(default_model), "llamacpp", ctx=1024, memory_budget="400MB"))
+    opened, strategy = session.opened, session.strategy
+    assert strategy is not None
     assert strategy.predicted_bytes <= 400e6
     assert strategy.requantize is not None and strategy.embed_type is not None
     assert opened.runner.describe()  # the requantized file is what runs
@@ -84,3 +89,23 @@ def test_default_model_llamacpp_budget_runs_the_plan(default_model: Path, tmp_pa
     mean_kl, top1 = _kl(full.runner, opened.runner, default_model)
     # only the embedding moves (Q8_0 -> Q5_0): 0.042 and 88.7% top-1 on 512 tokens (docs/quantization.md)
     assert np.isfinite(mean_kl) and 0.0 < mean_kl < 0.15 and top1 > 0.75
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_a_budgeted_llamacpp_runner_gets_the_modes_options(default_model: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, batch_invariant: bool) -> None:
+    """`serve --memory-budget X --batch-invariant` runs a KV stream per sequence on unrepacked weights, as
+    without a budget; a budget alone keeps llama.cpp's repacking (the fast mode every other path gets)."""
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setenv("TWINFER_CACHE", str(tmp_path))
+    options = OpenOptions(str(default_model), "llamacpp", max_seqs=2, ctx=256, threads=1, memory_budget="2GB",
+                          batch_invariant=batch_invariant)
+    session = open_session(options)
+    try:
+        assert session.strategy is not None and session.strategy.requantize is None  # as stored: it fits
+        d = session.opened.runner.describe()
+        assert d["unified_kv"] is not batch_invariant and d["max_seqs"] == 2
+        assert d["repack"] is (not batch_invariant and d["amx"] != "repack-off")
+        assert session.engine().exact is not None if batch_invariant else session.engine().exact is None
+    finally:
+        session.close()

@@ -31,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, guard=GuardConfig(enabled
 
 @cache
 def _opened(ctx: int, seqs: int, unified: bool = True):  # noqa: ANN202
-    return open_model(None, "llamacpp", max_seqs=seqs, ctx=ctx, threads=2, runner_options={"unified_kv": unified})
+    return open_model(None, "llamacpp", max_seqs=seqs, ctx=ctx, threads=2, kv_layout="unified" if unified else "streams")
 
 
 def engine(ctx: int = 1024, seqs: int = 8, unified: bool = True, **config: int | bool) -> Engine:

@@ -106,7 +106,7 @@ def test_blocks_dequantize_to_the_folders_values(exported: tuple[Path, dict]) ->
 
 def test_llamacpp_runs_the_export_like_torch_runs_the_folder(exported: tuple[Path, dict]) -> None:
     from twinfer.backends.cuda.runner import load_torch_runner
-    from twinfer.backends.llamacpp.runner import LlamaCppRunner
+    from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
     from twinfer.quant.fidelity import RunnerSource, corpus_windows
     from twinfer.quant.kl import KLAccumulator
 
@@ -116,7 +116,7 @@ def test_llamacpp_runs_the_export_like_torch_runs_the_folder(exported: tuple[Pat
     torch_logits = RunnerSource(load_torch_runner(load_model(folder), kv_tokens=64)).logits(window)[:-1]
 
     def kl(path: Path) -> float:
-        with LlamaCppRunner(path, n_ctx=256, max_seqs=1, spec=spec) as runner:
+        with LlamaCppRunner(path, LlamaCppOptions(n_ctx=256, max_seqs=1), spec=spec) as runner:
             logits = RunnerSource(runner).logits(window)[:-1]
         acc = KLAccumulator()
         acc.add(torch_logits, logits)

@@ -110,7 +110,7 @@ def llama_pair(request: pytest.FixtureRequest) -> Iterator[tuple[str, tuple[Engi
     from twinfer.app.models import open_model
 
     opened = [open_model(None, "llamacpp", max_seqs=2, ctx=1024, threads=1,
-                         runner_options={"kv_type": request.param}) for _ in range(2)]
+                         kv_type=request.param) for _ in range(2)]
     pair = _pair((opened[0].runner, opened[1].runner), 1024)
     yield request.param, pair
     for connector in (pair[1], pair[3]):

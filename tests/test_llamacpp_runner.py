@@ -16,7 +16,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from twinfer.backends.llamacpp import DecodeError, KVCacheFull, LlamaCppRunner  # noqa: E402
+from twinfer.backends.llamacpp import DecodeError, KVCacheFull, LlamaCppOptions, LlamaCppRunner  # noqa: E402
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch  # noqa: E402
 from twinfer.runtime.errors import ModelError  # noqa: E402
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
@@ -58,7 +58,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def runner(model_path: Path):
-    r = LlamaCppRunner(model_path, n_ctx=N_CTX, max_seqs=8, n_threads=THREADS)
+    r = LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=N_CTX, max_seqs=8, n_threads=THREADS))
     yield r
     r.close()
 
@@ -145,9 +145,9 @@ def test_repack_matches_stock_llama(model_path, tokens):
         want = reference_logits(stock, toks)
     finally:
         stock.close()
-    with LlamaCppRunner(model_path, n_ctx=N_CTX, max_seqs=2, n_threads=THREADS, repack=True) as repacked:
+    with LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=N_CTX, max_seqs=2, n_threads=THREADS, repack=True)) as repacked:
         np.testing.assert_allclose(cold(repacked, toks), want, atol=TOL, rtol=0)
-    with LlamaCppRunner(model_path, n_ctx=N_CTX, max_seqs=2, n_threads=THREADS) as plain:
+    with LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=N_CTX, max_seqs=2, n_threads=THREADS)) as plain:
         assert kl(want, cold(plain, toks)).max() < KL_REGROUPED
 
 
@@ -273,7 +273,7 @@ def test_small_n_batch_splits_steps_exactly(model_path, runner, tokens):
         want.append(runner.step(StepBatch(pieces)))
     for c in chunks:
         runner.release(c.seq_id)
-    with LlamaCppRunner(model_path, n_ctx=256, max_seqs=4, n_threads=THREADS, n_batch=8) as small:
+    with LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=256, max_seqs=4, n_threads=THREADS, n_batch=8)) as small:
         assert small.describe()["n_batch"] == 8
         got = small.step(StepBatch(chunks))
     assert got.shape == (sum(c.logit_rows for c in chunks), runner.n_vocab)
@@ -281,7 +281,7 @@ def test_small_n_batch_splits_steps_exactly(model_path, runner, tokens):
 
 
 def test_kv_cache_full_raises_and_restores(model_path, tokens):
-    with LlamaCppRunner(model_path, n_ctx=64, max_seqs=2, n_threads=THREADS, n_batch=32) as small:
+    with LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=64, max_seqs=2, n_threads=THREADS, n_batch=32)) as small:
         prompt = tokens[0]
         run(small, 0, prompt, wanted=LAST)
         too_long = (tokens[2] * 64)[: small.n_ctx]  # with the prompt, one window too many
@@ -309,14 +309,14 @@ def test_bad_model_files_raise_model_error(tmp_path, content):
     elif isinstance(content, bytes):
         path.write_bytes(content)
     with pytest.raises(ModelError, match=re.escape(str(path))) as err:
-        LlamaCppRunner(path, n_ctx=64)
+        LlamaCppRunner(path, LlamaCppOptions(n_ctx=64))
     assert "\n" not in str(err.value)  # one line for the CLI
 
 
 def test_quiet_unless_verbose(model_path, capfd):
-    LlamaCppRunner(model_path, n_ctx=256, max_seqs=1, n_threads=THREADS, verbose=True).close()
+    LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=256, max_seqs=1, n_threads=THREADS, verbose=True)).close()
     assert "llama" in capfd.readouterr().err  # llama.cpp's own loader log reaches stderr
-    LlamaCppRunner(model_path, n_ctx=256, max_seqs=1, n_threads=THREADS).close()
+    LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=256, max_seqs=1, n_threads=THREADS)).close()
     assert capfd.readouterr().err == ""
 
 
@@ -345,7 +345,7 @@ def test_the_persistent_thread_pool_changes_no_logit(model_path, runner, tokens,
     import twinfer.backends.llamacpp.runner as runner_module
 
     monkeypatch.setattr(runner_module, "attach_threadpool", lambda *args: None)
-    bare = LlamaCppRunner(model_path, n_ctx=N_CTX, max_seqs=8, n_threads=THREADS)
+    bare = LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=N_CTX, max_seqs=8, n_threads=THREADS))
     try:
         assert bare.describe()["threadpool"] == "per-graph"
         toks = tokens[0]
@@ -373,7 +373,7 @@ def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
 
     runs = []
     for huge in (True, False):
-        r = LlamaCppRunner(model_path, n_ctx=4096, max_seqs=1, n_threads=THREADS, huge_pages=huge)
+        r = LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=4096, max_seqs=1, n_threads=THREADS, huge_pages=huge))
         try:
             toks = tokens[0]
             out = [r.step(StepBatch([SeqChunk(1, toks, 0, logits=LogitsWanted.ALL)]))]
@@ -398,7 +398,7 @@ def test_huge_pages_asked_for_where_there_are_none_load_mapped(model_path, monke
 
     monkeypatch.setattr(hugepages, "supported", lambda: False)
     monkeypatch.setattr(hugepages, "maps", lambda: pytest.fail("read /proc/self/maps off Linux"))
-    r = LlamaCppRunner(model_path, n_ctx=256, max_seqs=1, n_threads=THREADS, huge_pages=True)
+    r = LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=256, max_seqs=1, n_threads=THREADS, huge_pages=True))
     try:
         info = r.describe()
         assert info["huge_page_weights_mb"] == 0 and info["huge_page_context_mb"] == 0

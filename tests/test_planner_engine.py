@@ -75,10 +75,10 @@ def state_bytes_per_token(runner: Any, tokens: int = 16) -> float:
 
 
 def test_llamacpp_weights_equal_the_loaded_tensors(default_model: Path) -> None:
-    from twinfer.backends.llamacpp import LlamaCppRunner
+    from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
 
     plan = planned(default_model, 1024, *runner_formats("llamacpp", CPU))
-    with LlamaCppRunner(default_model, n_ctx=256, max_seqs=1, n_threads=2) as runner:
+    with LlamaCppRunner(default_model, LlamaCppOptions(n_ctx=256, max_seqs=1, n_threads=2)) as runner:
         loaded = int(runner._lib.llama_model_size(runner._model))
     assert plan["memory"]["weights_bytes"] == pytest.approx(loaded, rel=TOL)
     assert loaded == 246_587_904  # Gemma 3 270M Q4_K_M: llama.cpp's count, independent of the planner
@@ -87,12 +87,12 @@ def test_llamacpp_weights_equal_the_loaded_tensors(default_model: Path) -> None:
 @pytest.mark.parametrize("kv_type,context", [("f16", 256), ("f16", 2048), ("q8_0", 2048), ("q4_0", 1024)])
 def test_llamacpp_kv_bytes_per_token_match_the_plan(default_model: Path, kv_type: str, context: int) -> None:
     # past 512 tokens Gemma 3's sliding layers would hold only their window; the runner keeps them whole
-    from twinfer.backends.llamacpp import LlamaCppRunner
+    from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
 
     plan = planned(default_model, context, "stored", kv_type)
     assert plan["kv_format"] == kv_type
     with llama_log() as lines:
-        runner = LlamaCppRunner(default_model, n_ctx=context, max_seqs=1, n_threads=2, kv_type=kv_type)
+        runner = LlamaCppRunner(default_model, LlamaCppOptions(n_ctx=context, max_seqs=1, n_threads=2, kv_type=kv_type))
     with runner:
         allocated = kv_buffer_bytes(lines) / runner.n_ctx
         stored = state_bytes_per_token(runner)
@@ -104,12 +104,12 @@ def test_llamacpp_kv_bytes_per_token_match_the_plan(default_model: Path, kv_type
 
 @pytest.mark.parametrize("context", [256, 4096])
 def test_llamacpp_runner_allocates_the_kv_format_the_planner_chooses(default_model: Path, context: int) -> None:
-    from twinfer.backends.llamacpp import LlamaCppRunner
+    from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
 
     plan = planned(default_model, context, "auto", "auto")
     assert plan["engine"] == "llamacpp" and plan["weights_format"] == "stored"
     with llama_log() as lines:
-        runner = LlamaCppRunner(default_model, n_ctx=context, max_seqs=1, n_threads=2, kv_type=plan["kv_format"])
+        runner = LlamaCppRunner(default_model, LlamaCppOptions(n_ctx=context, max_seqs=1, n_threads=2, kv_type=plan["kv_format"]))
     with runner:
         allocated = kv_buffer_bytes(lines) / runner.n_ctx
     assert plan["memory"]["kv_bytes_per_token"] == pytest.approx(allocated, rel=TOL)
@@ -117,12 +117,12 @@ def test_llamacpp_runner_allocates_the_kv_format_the_planner_chooses(default_mod
 
 def test_llamacpp_runner_rejects_kv_types_it_cannot_hold(default_model: Path) -> None:
     pytest.importorskip("llama_cpp")
-    from twinfer.backends.llamacpp import LlamaCppRunner
+    from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
 
     with pytest.raises(ValueError, match="kv_type 'q5_1' is not one of"):
-        LlamaCppRunner(default_model, n_ctx=256, kv_type="q5_1")
+        LlamaCppRunner(default_model, LlamaCppOptions(n_ctx=256, kv_type="q5_1"))
     with pytest.raises(ValueError, match="needs flash_attn=True"):
-        LlamaCppRunner(default_model, n_ctx=256, kv_type="q8_0", flash_attn=False)
+        LlamaCppRunner(default_model, LlamaCppOptions(n_ctx=256, kv_type="q8_0", flash_attn=False))
 
 
 # -- torch runner ----------------------------------------------------------------------------------

@@ -68,12 +68,12 @@ def test_planner_bytes_match_the_written_file(gemma: ModelProfile, requantized: 
 
 
 def test_requantized_embedding_runs(default_model: Path, requantized: dict[str, Path]) -> None:
-    from twinfer.backends.llamacpp.runner import LlamaCppRunner
+    from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
     from twinfer.quant.fidelity import RunnerSource, corpus_windows
     from twinfer.quant.kl import KLAccumulator
 
-    stored = LlamaCppRunner(default_model, n_ctx=256, max_seqs=1)
-    small = LlamaCppRunner(requantized["q5_0"], n_ctx=256, max_seqs=1)
+    stored = LlamaCppRunner(default_model, LlamaCppOptions(n_ctx=256, max_seqs=1))
+    small = LlamaCppRunner(requantized["q5_0"], LlamaCppOptions(n_ctx=256, max_seqs=1))
     acc = KLAccumulator()
     for w in corpus_windows(str(default_model), "prose", 95, 48):
         acc.add(RunnerSource(stored).logits(w)[:-1], RunnerSource(small).logits(w)[:-1])

@@ -107,10 +107,10 @@ def test_ngram_adaptive_greedy_identical_cold_and_warm() -> None:
 
 
 def test_draft_model_same_gguf_greedy_identical() -> None:
-    from twinfer.backends.llamacpp.runner import LlamaCppRunner
+    from twinfer.backends.llamacpp import LlamaCppOptions, LlamaCppRunner
 
     opened = _opened(1024, 8)
-    with LlamaCppRunner(opened.path, n_ctx=1024, max_seqs=8, n_threads=2, spec=opened.runner.spec) as draft:
+    with LlamaCppRunner(opened.path, LlamaCppOptions(n_ctx=1024, max_seqs=8, n_threads=2), spec=opened.runner.spec) as draft:
         e = engine(DraftModelProposer(draft))
         out = e.generate([prompts()[1]], GREEDY)[0]
         assert tuple(out.token_ids) == plain(1)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from twinfer.app.models import OpenedModel, choose_backend, default_context, ops_runner, resolve_path
+from twinfer.app.models import RunnerOptions
 from twinfer.runtime.cache_dir import cache_dir
 from twinfer.runtime.errors import PlanError
 from twinfer.runtime.experts import expert_params, plan_expert_budget
@@ -53,6 +53,15 @@ class LocalStrategy:
     reasons: tuple[str, ...] = field(default_factory=tuple)
     expected_kl: float | None = None
 
+    def runner_options(self, base: RunnerOptions) -> RunnerOptions:
+        """`base` (what every path fills in: sequences, context, threads, mode) with this strategy's choices.
+
+        The plan sized one KV cache of `ctx` tokens that all sequences share; a batch-invariant mode still
+        gets a stream per sequence from the backend's policy, which exact batching needs.
+        """
+        return replace(base, backend=self.backend, kv_type=self.kv_type, dtype=self.dtype,
+                       expert_cache_bytes=self.expert_cache_bytes, kv_layout="unified")
+
     def summary(self) -> str:
         """One paragraph: what was chosen, what it costs, and why."""
         mb = 1e6
@@ -76,11 +85,12 @@ class LocalStrategy:
 
 
 def parse_budget(text: str | int) -> int:
+    """`--memory-budget` in bytes (`12GB`, `800MiB` or a number)."""
     from twinfer.planners.units import parse_bytes
 
     budget = parse_bytes(text)
     if budget <= 0:
-        raise PlanError(f"--memory-budget must be positive, got {text!r}")
+        raise PlanError(f"--memory-budget must be positive, got {text!r}", field="memory_budget")
     return budget
 
 
@@ -174,40 +184,36 @@ def _host() -> Cluster:
 
 
 # -- applying it -------------------------------------------------------------------------------------
-def choose_strategy(model: str | None, backend: str, budget: int, ctx: int | None, max_seqs: int,
-                    allow_pruning: bool, hardware: Cluster | None = None
-                    ) -> tuple[Path, LoadedModel, LocalStrategy, int]:
-    """The strategy for `model` under `budget`, and the context it was planned for (None: the default)."""
-    path = resolve_path(model)
-    backend = choose_backend(backend, path)
-    loaded = load_model(path)
-    ctx = ctx or default_context(loaded)
+@dataclass(frozen=True)
+class BudgetRequest:
+    """What a memory budget is planned for: `budget` bytes for `max_seqs` sequences of `ctx` tokens."""
+
+    budget: int
+    ctx: int
+    max_seqs: int = 1
+    allow_pruning: bool = False
+    threads: int | None = None  # the quantizer's, when the plan requantizes
+    hardware: Cluster | None = None  # what the plan is made on; None: the probed host
+
+
+def fit_budget(path: Path, loaded: LoadedModel, backend: str,
+               request: BudgetRequest) -> tuple[LocalStrategy, Path, LoadedModel]:
+    """The strategy for the model at `path` on `backend` (a chosen one) under `request`, with its
+    transforms applied: the strategy, the file to run (pruned, requantized or as stored) and its model."""
+    r = request
     if backend == "llamacpp":
-        return path, loaded, llamacpp_strategy(loaded, budget, ctx, max_seqs, allow_pruning, hardware), ctx
-    return path, loaded, ops_strategy(loaded, backend, budget, ctx, max_seqs, allow_pruning), ctx
-
-
-def open_with_budget(model: str | None, backend: str, budget_text: str | int, *, allow_pruning: bool = False,
-                     max_seqs: int = 1, ctx: int | None = None, threads: int | None = None,
-                     hardware: Cluster | None = None) -> tuple[OpenedModel, LocalStrategy]:
-    """Open `model` under `budget_text` (e.g. `12GB`, `800MiB`, bytes), planned on `hardware` (default: the
-    probed host) for `ctx` tokens (default: the planner's context); returns the model and the strategy."""
-    from twinfer.runtime.tokenizer import load_tokenizer
-
-    budget = parse_budget(budget_text)
-    path, loaded, strategy, ctx = choose_strategy(model, backend, budget, ctx, max_seqs, allow_pruning, hardware)
+        strategy = llamacpp_strategy(loaded, r.budget, r.ctx, r.max_seqs, r.allow_pruning, r.hardware)
+    else:
+        strategy = ops_strategy(loaded, backend, r.budget, r.ctx, r.max_seqs, r.allow_pruning)
     run_path = path
     if strategy.prune_layers:
         run_path = _pruned(path, strategy.prune_layers, strategy.backend)
     if strategy.requantize:
         from twinfer.backends.llamacpp.requantize import requantize_gguf
 
-        run_path = requantize_gguf(run_path, strategy.requantize, _FTYPES[strategy.requantize], threads,
+        run_path = requantize_gguf(run_path, strategy.requantize, _FTYPES[strategy.requantize], r.threads,
                                    embed_type=strategy.embed_type)
-    if run_path != path:
-        loaded = load_model(run_path)
-    runner = _runner(strategy, loaded, run_path, ctx, max_seqs, threads)
-    return OpenedModel(runner, load_tokenizer(path), loaded, path), strategy
+    return strategy, run_path, load_model(run_path) if run_path != path else loaded
 
 
 def _pruned(path: Path, layers: int, backend: str) -> Path:
@@ -217,25 +223,3 @@ def _pruned(path: Path, layers: int, backend: str) -> Path:
     measure = "torch" if backend == "llamacpp" else backend
     return Path(prune_model(str(path), str(cache_dir("pruned") / f"{path.stem}-minus{layers}-kl"), layers=layers,
                             backend=measure, kl_tokens=0, rank="kl", runners=RUNNERS).out)
-
-
-def _runner(s: LocalStrategy, loaded: LoadedModel, path: Path, ctx: int, max_seqs: int, threads: int | None) -> Any:
-    if s.backend == "llamacpp":
-        from twinfer.backends.llamacpp.runner import LlamaCppRunner
-
-        return LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec,
-                              kv_type=s.kv_type or "f16")  # flash attention is on by default, as quantized KV needs
-    if s.expert_cache_bytes is not None:
-        return _streaming_runner(s, loaded, ctx, threads)
-    return ops_runner(s.backend, loaded, ctx, threads, s.dtype, None)
-
-
-def _streaming_runner(s: LocalStrategy, loaded: LoadedModel, ctx: int, threads: int | None) -> Any:
-    assert s.expert_cache_bytes is not None
-    if s.backend == "torch":
-        from twinfer.backends.cuda.experts import load_streaming_torch_runner
-
-        return load_streaming_torch_runner(loaded, cache_bytes=s.expert_cache_bytes, kv_tokens=ctx, threads=threads)
-    from twinfer.backends.metal.experts import load_streaming_mlx_runner
-
-    return load_streaming_mlx_runner(loaded, cache_bytes=s.expert_cache_bytes, kv_tokens=ctx)

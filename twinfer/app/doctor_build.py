@@ -134,9 +134,8 @@ def speculative(path: Path, backend: str, ctx: int) -> list[ds.Stage]:
             from twinfer.runtime.engine import GuardConfig, SamplingParams
 
             # speculation verifies on llama.cpp's row-invariant (unrepacked) weights; the plain run uses the same
-            options = {"repack": False} if backend == "llamacpp" else {}
             session = open_session(OpenOptions(str(path), backend, max_seqs=1, ctx=ctx, speculate=speculate,
-                                               runner_options=options))
+                                               mode="row-invariant"))
             params = SamplingParams(max_tokens=SPEC_TOKENS, temperature=0.0, ignore_eos=True,
                                     guard=GuardConfig(enabled=False))
             try:

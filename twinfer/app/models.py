@@ -1,28 +1,33 @@
 """Open a model's runner: pick the backend, build the runner, load the tokenizer.
 
-Every runner the application opens goes through `open_model` (the session, the draft model, quant's
-measuring harness through `app.runners`), so the backend choice and its error messages live in one
-place. Backends are imported here lazily.
+Every runner the application opens is built by `open_runner` from one `RunnerOptions` (the session,
+a memory budget's strategy, the draft model, quant's measuring harness through `app.runners`), so the
+backend choice, each backend's options and their error messages live in one place. Backends are
+imported here lazily.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from twinfer.runtime.errors import BackendUnavailable, TwinferError
+from twinfer.runtime.errors import BackendUnavailable, OptionError, TwinferError
 from twinfer.runtime.loaders import LoadedModel, load_model
 from twinfer.runtime.model_path import resolve_path
 from twinfer.runtime.runner import Runner
+from twinfer.runtime.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.backends.llamacpp.options import LlamaCppOptions, RunMode
 
 BACKENDS = ("auto", "llamacpp", "torch", "mlx")
 KV_LAYOUTS = ("auto", "unified", "streams")  # llama.cpp's KV cache: auto picks one of the other two
 STREAMS_MEMORY_SHARE = 1 / 8  # auto takes streams while all of them fit in this share of the machine's memory
 _MODULES = {"llamacpp": "llama_cpp", "torch": "torch", "mlx": "mlx"}
-__all__ = ["BACKENDS", "KV_LAYOUTS", "OpenedModel", "available", "check_kv_layout", "choose_backend",
-           "default_context", "open_model", "ops_runner", "resolve_path"]
+__all__ = ["BACKENDS", "KV_LAYOUTS", "OpenedModel", "RunnerOptions", "available", "check_kv_layout",
+           "build_in_memory", "choose_backend", "default_context", "open_loaded", "open_model", "open_runner", "resolve_path"]
 _EXTRAS = {"llamacpp": "pip install llama-cpp-python", "torch": "pip install 'twinfer[cuda]'",
            "mlx": "pip install 'twinfer[metal]'"}
 
@@ -74,62 +79,143 @@ def choose_backend(backend: str, path: Path) -> str:
     return backend
 
 
-def open_model(model: str | None, backend: str = "auto", *, max_seqs: int = 16, ctx: int | None = None,
-               threads: int | None = None, dtype: str | None = None, device: str | None = None,
-               runner_options: dict[str, Any] | None = None,
-               parallel: tuple[int, int, int] | None = None, kv_layout: str = "unified") -> OpenedModel:
-    """Load `model` (None: the default) on `backend` with room for `ctx` KV tokens over `max_seqs` sequences
-    (None: `default_context` of the model).
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How to build a runner, on any backend: what every path that opens one fills in (a session, a memory
+    budget's strategy, a draft model, quant's measuring harness). Limits are checked here, once."""
 
-    `runner_options` go to the llama.cpp runner's constructor (e.g. `kv_type`, `unified_kv`).
-    `kv_layout` is llama.cpp's cache (`streams_fit` says what "auto" takes); `runner_options["unified_kv"]`
-    overrides it. `parallel` = (tp, ep, pp) spreads a torch model over that many processes (backends/cuda/parallel)."""
+    backend: str = "auto"
+    max_seqs: int = 16  # sequences the runner holds KV for at once
+    ctx: int | None = None  # KV tokens per sequence; None: `default_context` of the model
+    threads: int | None = None
+    mode: RunMode = "row-invariant"  # llama.cpp's numerics (backends/llamacpp/options.py)
+    kv_layout: str = "unified"  # llama.cpp's KV cache: auto, unified or streams (`streams_fit`)
+    kv_type: str | None = None  # llama.cpp's KV element type; None: f16
+    dtype: str | None = None  # torch / MLX weights; None: the runner's default
+    device: str | None = None
+    parallel: tuple[int, int, int] = (1, 1, 1)  # (tp, ep, pp) on the torch backend
+    expert_cache_bytes: int | None = None  # torch / MLX: routed experts streamed through a cache this size
+
+    def __post_init__(self) -> None:
+        from twinfer.backends.llamacpp.options import RUN_MODES  # no llama_cpp import: a table and a policy
+
+        if self.max_seqs < 1:
+            raise OptionError(f"--max-seqs must be at least 1, got {self.max_seqs}", field="max_seqs")
+        if self.ctx is not None and self.ctx < 16:
+            raise OptionError(f"--ctx must be at least 16 tokens, got {self.ctx}", field="ctx")
+        if self.threads is not None and self.threads < 1:
+            raise OptionError(f"--threads must be at least 1, got {self.threads}", field="threads")
+        if self.mode not in RUN_MODES:
+            raise OptionError(f"mode must be one of {', '.join(RUN_MODES)}, got {self.mode!r}", field="mode")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise OptionError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}",
+                              field="kv_layout")
+        if min(self.parallel) < 1:
+            raise OptionError(f"--tp, --ep and --pp must be at least 1, got {self.parallel}", field="parallel")
+        if self.kv_type is not None and self.backend not in ("auto", "llamacpp"):
+            raise OptionError(f"a KV type ({self.kv_type}) applies to the llamacpp backend, not {self.backend}",
+                              field="kv_type")
+
+
+def open_model(model: str | None, backend: str = "auto", **options: Any) -> OpenedModel:
+    """Load `model` (None: the default) on `backend`; `options` are `RunnerOptions` fields."""
+    path = resolve_path(model)
+    o = RunnerOptions(backend=choose_backend(backend, path), **options)
+    if o.kv_layout != "unified":  # the default for callers that never ask; sessions checked theirs already
+        check_kv_layout(o.kv_layout, str(path), o.backend)
+    return open_loaded(path, load_model(path), o)  # validates the file; weights stay on disk until a runner reads them
+
+
+def open_loaded(path: Path, loaded: LoadedModel, options: RunnerOptions) -> OpenedModel:
+    """The runner `options` ask for over the model at `path` (`loaded` is its spec and weights), and its
+    tokenizer. `options.backend` is a chosen one (`choose_backend`)."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
-    path = resolve_path(model)
-    backend = choose_backend(backend, path)
-    if kv_layout != "unified":  # the default for callers that never ask; sessions checked theirs already
-        check_kv_layout(kv_layout, str(path), backend)
-    loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk until a runner reads them
-    ctx = ctx or default_context(loaded)
-    if backend == "llamacpp":
-        from twinfer.backends.llamacpp.runner import KV_TYPE_BYTES, LlamaCppRunner
+    return OpenedModel(open_runner(path, loaded, options), load_tokenizer(path), loaded, path)
 
-        options = dict(runner_options or {})
-        if kv_layout != "unified" and "unified_kv" not in options:
-            from twinfer.planners.probe import read_host
 
-            kv_bytes = KV_TYPE_BYTES.get(options.get("kv_type", "f16"), 2.0)
-            streams = kv_layout == "streams" or streams_fit(loaded.spec.kv_bytes_per_token(kv_bytes), max_seqs, ctx,
-                                                            read_host().memory_bytes)
-            options["unified_kv"] = not streams
-        runner: Runner = LlamaCppRunner(path, n_ctx=ctx, max_seqs=max_seqs, n_threads=threads, spec=loaded.spec,
-                                        **options)
-    elif parallel is not None and parallel != (1, 1, 1):
-        if backend != "torch":
-            raise BackendUnavailable(f"--tp/--ep/--pp run on the torch backend, not {backend}: add --backend torch")
+def open_runner(path: Path, loaded: LoadedModel, options: RunnerOptions) -> Runner:
+    """The one place the application builds a runner: each backend's from `options`."""
+    o = replace(options, ctx=options.ctx or default_context(loaded))
+    assert o.ctx is not None
+    if o.backend == "llamacpp":
+        from twinfer.backends.llamacpp.runner import LlamaCppRunner
+
+        return LlamaCppRunner(path, llamacpp_options(loaded, o), spec=loaded.spec)
+    if o.parallel != (1, 1, 1):
+        if o.backend != "torch":
+            raise BackendUnavailable(f"--tp/--ep/--pp run on the torch backend, not {o.backend}: add --backend torch")
         from twinfer.backends.cuda.parallel.runner import open_parallel
 
-        runner = open_parallel(path, loaded.spec, parallel, ctx=ctx, threads=threads, dtype=dtype, device=device)
-    else:
-        runner = ops_runner(backend, loaded, ctx, threads, dtype, device)
-    return OpenedModel(runner, load_tokenizer(path), loaded, path)
+        return open_parallel(path, loaded.spec, o.parallel, ctx=o.ctx, threads=o.threads, dtype=o.dtype,
+                             device=o.device)
+    if o.expert_cache_bytes is not None:
+        return _streaming_runner(loaded, o)
+    if o.backend == "torch":
+        from twinfer.backends.cuda.runner import open_torch_runner
+
+        return open_torch_runner(loaded, kv_tokens=o.ctx, threads=o.threads, dtype=o.dtype, device=o.device)
+    from twinfer.backends.metal.runner import load_mlx_runner
+
+    return load_mlx_runner(loaded, kv_tokens=o.ctx, dtype=o.dtype or "float32")
+
+
+def build_in_memory(backend: str, spec: ModelSpec, weights: Any, *, kv_tokens: int,
+                    kv_format: str | None = None) -> Runner:
+    """A torch or MLX runner over weights held in memory (quant's measuring harness: a quantized view)."""
+    if backend == "torch":
+        from twinfer.backends.cuda.runner import build_torch_runner
+
+        return build_torch_runner(spec, weights, kv_tokens=kv_tokens, kv_format=kv_format)
+    if backend == "mlx":
+        from twinfer.backends.metal.runner import build_mlx_runner
+
+        return build_mlx_runner(spec, weights, kv_tokens=kv_tokens, kv_format=kv_format)
+    raise TwinferError(f"runners over in-memory weights run on torch or mlx, not {backend}")
+
+
+def llamacpp_options(loaded: LoadedModel, o: RunnerOptions) -> LlamaCppOptions:
+    """llama.cpp's options for `o`: the KV layout resolved on this host, the rest by the mode's policy."""
+    from twinfer.backends.llamacpp.options import options_for_mode
+    from twinfer.backends.llamacpp.runner import KV_TYPE_BYTES
+
+    assert o.ctx is not None
+    streams = o.kv_layout == "streams"
+    if o.kv_layout == "auto":
+        from twinfer.planners.probe import read_host
+
+        kv_bytes = KV_TYPE_BYTES.get(o.kv_type or "f16", 2.0)
+        streams = streams_fit(loaded.spec.kv_bytes_per_token(kv_bytes), o.max_seqs, o.ctx, read_host().memory_bytes)
+    return options_for_mode(o.mode, n_ctx=o.ctx, max_seqs=o.max_seqs, n_threads=o.threads, kv_type=o.kv_type,
+                            streams=streams)
+
+
+def _streaming_runner(loaded: LoadedModel, o: RunnerOptions) -> Runner:
+    """torch / MLX with routed experts streamed from the file (runtime/experts.py)."""
+    assert o.expert_cache_bytes is not None and o.ctx is not None
+    if o.backend == "torch":
+        from twinfer.backends.cuda.experts import load_streaming_torch_runner
+
+        return load_streaming_torch_runner(loaded, cache_bytes=o.expert_cache_bytes, kv_tokens=o.ctx,
+                                           threads=o.threads)
+    from twinfer.backends.metal.experts import load_streaming_mlx_runner
+
+    return load_streaming_mlx_runner(loaded, cache_bytes=o.expert_cache_bytes, kv_tokens=o.ctx)
 
 
 def check_kv_layout(kv_layout: str, model: str | None, backend: str, memory_budget: str | None = None) -> None:
     """Refuse a `--kv-layout` that cannot be had. Streams are a llama.cpp cache layout: on the torch and MLX
     runners, whose paged KV blocks every sequence already owns alone, asking for them is an error rather
     than a flag silently dropped; a memory budget plans one shared cache."""
-    if kv_layout not in KV_LAYOUTS:
-        raise TwinferError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    if kv_layout != "streams":
+    if kv_layout != "streams":  # RunnerOptions checked that it is one of KV_LAYOUTS
         return
     if memory_budget is not None:
-        raise TwinferError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams")
+        raise OptionError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams",
+                          field="kv_layout")
     chosen = choose_backend(backend, resolve_path(model))
     if chosen != "llamacpp":
-        raise TwinferError(f"--kv-layout streams is a llama.cpp cache layout; the {chosen} runner keeps paged "
-                           "KV blocks that each sequence owns already: drop --kv-layout streams")
+        raise OptionError(f"--kv-layout streams is a llama.cpp cache layout; the {chosen} runner keeps paged "
+                          "KV blocks that each sequence owns already: drop --kv-layout streams", field="kv_layout")
 
 
 def streams_fit(kv_bytes_per_token: float, max_seqs: int, ctx: int, memory_bytes: float) -> bool:
@@ -150,14 +236,3 @@ def default_context(loaded: LoadedModel) -> int:
     from twinfer.planners.search import Request
 
     return min(Request().context, loaded.spec.max_position)
-
-
-def ops_runner(backend: str, loaded: LoadedModel, ctx: int, threads: int | None,
-                dtype: str | None, device: str | None) -> Runner:
-    if backend == "torch":
-        from twinfer.backends.cuda.runner import open_torch_runner
-
-        return open_torch_runner(loaded, kv_tokens=ctx, threads=threads, dtype=dtype, device=device)
-    from twinfer.backends.metal.runner import load_mlx_runner
-
-    return load_mlx_runner(loaded, kv_tokens=ctx, dtype=dtype or "float32")

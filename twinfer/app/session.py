@@ -7,24 +7,36 @@ or pruning it as the plan says), opens the runner, adds the speculative proposer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from twinfer.app.budget import LocalStrategy, open_with_budget
-from twinfer.app.models import OpenedModel, check_kv_layout, default_context, open_model
+from twinfer.app.budget import BudgetRequest, LocalStrategy, fit_budget, parse_budget
+from twinfer.app.models import (
+    OpenedModel,
+    RunnerOptions,
+    check_kv_layout,
+    choose_backend,
+    default_context,
+    open_loaded,
+    open_runner,
+    resolve_path,
+)
 from twinfer.app.speculate import open_proposer
 from twinfer.runtime.engine import Engine, EngineConfig
-from twinfer.runtime.errors import TwinferError
+from twinfer.runtime.errors import OptionError
+from twinfer.runtime.loaders import load_model
 from twinfer.runtime.speculative.options import parse_speculate
 from twinfer.runtime.speculative.proposer import Proposer
 
 if TYPE_CHECKING:
+    from twinfer.backends.llamacpp.options import RunMode
     from twinfer.planners.hardware import Cluster
 
 
 @dataclass(frozen=True)
 class OpenOptions:
-    """How a face asked for a model. Everything `open_session` needs, nothing it has to guess."""
+    """How a face asked for a model. Everything `open_session` needs, nothing it has to guess; the limits
+    are the runner's (`RunnerOptions`), checked when this is built."""
 
     model: str | None = None  # a GGUF file or Hugging Face folder; None: the embedded default
     backend: str = "auto"
@@ -37,17 +49,31 @@ class OpenOptions:
     allow_pruning: bool = False
     batch_invariant: bool = False  # exact batching: a batched request's text equals it run alone
     hardware: Cluster | None = None  # what a budget is planned on; None: the probed host
-    runner_options: dict[str, Any] = field(default_factory=dict)  # extra llama.cpp runner options
     kv_layout: str = "auto"  # llama.cpp's KV cache: auto, unified or streams (app.models.streams_fit)
+    mode: RunMode | None = None  # the runner's numerics; None: from batch_invariant and speculate (`run_mode`)
 
     def __post_init__(self) -> None:
-        if self.max_seqs < 1 or (self.ctx is not None and self.ctx < 16):
-            raise TwinferError(f"need at least one sequence and 16 tokens of context (got max_seqs={self.max_seqs}, "
-                               f"ctx={self.ctx})")
-        if self.threads is not None and self.threads < 1:
-            raise TwinferError(f"--threads must be at least 1, got {self.threads}")
-        parse_speculate(self.speculate)  # a typo fails before anything loads
+        self.runner_options()  # the runner's limits, and a typo in --speculate, fail before anything loads
+        if self.memory_budget is not None:
+            parse_budget(self.memory_budget)
+        if self.batch_invariant and self.mode not in (None, "batch-invariant"):
+            raise OptionError(f"--batch-invariant runs in batch-invariant mode, not {self.mode!r}", field="mode")
         check_kv_layout(self.kv_layout, self.model, self.backend, self.memory_budget)
+
+    @property
+    def run_mode(self) -> RunMode:
+        """Batch-invariant when asked; row-invariant under speculation, whose verification compares a
+        drafted row's logits with what the row would get alone; fast otherwise."""
+        if self.mode is not None:
+            return self.mode
+        if self.batch_invariant:
+            return "batch-invariant"
+        return "fast" if parse_speculate(self.speculate)[0] == "off" else "row-invariant"
+
+    def runner_options(self, backend: str = "auto", ctx: int | None = None) -> RunnerOptions:
+        """The runner these options ask for (on `backend`, for `ctx` tokens once those are resolved)."""
+        return RunnerOptions(backend=backend, max_seqs=self.max_seqs, ctx=ctx or self.ctx, threads=self.threads,
+                             mode=self.run_mode, kv_layout=self.kv_layout, parallel=self.parallel)
 
 
 @dataclass
@@ -75,28 +101,29 @@ class Session:
 
 
 def open_session(options: OpenOptions) -> Session:
-    """Resolve, plan under the budget, transform, open the runner and add the proposer."""
+    """Resolve, plan under the budget, transform, open the runner and add the proposer.
+
+    Every face reaches a runner through here (torchrun workers too: their rank serves steps inside
+    `open_runner` and exits); a budget's strategy only fills in the same `RunnerOptions` a plain open uses.
+    """
     o = options
-    strategy = None
+    path = resolve_path(o.model)
+    backend = choose_backend(o.backend, path)
+    loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk until a runner reads them
+    ctx = o.ctx or default_context(loaded)
+    runner_options, strategy = o.runner_options(backend, ctx), None
     if o.memory_budget is not None:
-        opened, strategy = open_with_budget(o.model, o.backend, o.memory_budget, allow_pruning=o.allow_pruning,
-                                            max_seqs=o.max_seqs, ctx=o.ctx, threads=o.threads, hardware=o.hardware)
+        request = BudgetRequest(parse_budget(o.memory_budget), ctx, o.max_seqs, o.allow_pruning, o.threads, o.hardware)
+        from twinfer.runtime.tokenizer import load_tokenizer
+
+        strategy, run_path, run_loaded = fit_budget(path, loaded, backend, request)
+        runner = open_runner(run_path, run_loaded, strategy.runner_options(runner_options))
+        opened = OpenedModel(runner, load_tokenizer(path), run_loaded, path)
     else:
-        runner_options = dict(o.runner_options)
-        if o.batch_invariant:  # llama.cpp: each sequence in its own KV stream, its cells where they lie alone
-            runner_options.setdefault("unified_kv", False)
-        elif parse_speculate(o.speculate)[0] == "off":
-            # llama.cpp's own default, weights repacked into its interleaved GEMM tiles: faster batched
-            # steps, but a row's logits then depend on its place in the batch, which only the exact
-            # modes (batch-invariant, speculative verification) must rule out
-            runner_options.setdefault("repack", True)
-        opened = open_model(o.model, o.backend, max_seqs=o.max_seqs, ctx=o.ctx, threads=o.threads,
-                            parallel=o.parallel, runner_options=runner_options or None, kv_layout=o.kv_layout)
-    assert opened.loaded is not None
-    session = Session(opened, None, strategy, o, o.ctx or default_context(opened.loaded))
+        opened = open_loaded(path, loaded, runner_options)
+    session = Session(opened, None, strategy, o, ctx)
     try:
-        session.proposer = open_proposer(o.speculate, opened, max_seqs=o.max_seqs, ctx=session.ctx,
-                                         threads=o.threads)
+        session.proposer = open_proposer(o.speculate, opened, max_seqs=o.max_seqs, ctx=ctx, threads=o.threads)
     except BaseException:
         session.close()
         raise

@@ -40,9 +40,9 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
                           batch_invariant=batch_invariant,  # a typo in --speculate or --kv-layout fails
                           kv_layout=kv_layout)  # before the port is bound
     if parallel != (1, 1, 1) and int(os.environ.get("RANK", "0")) > 0:  # a torchrun worker: no HTTP server
-        from twinfer.app.models import open_model
+        from twinfer.app import open_session
 
-        open_model(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, parallel=parallel)
+        open_session(options)  # the worker serves its rank's steps inside, then exits
         return
     # No core is left to the HTTP event loop: the engine hands each step's output over and waits for the
     # loop to write it before computing the next step (AsyncEngine), so the loop never preempts a

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 
 class TwinferError(Exception):
-    """Base class of errors caused by the user's input or environment, not by a twinfer bug."""
+    """Base class of errors caused by the user's input or environment, not by a twinfer bug.
+
+    `field` names the option or request field the error is about, when there is one: the server reports
+    it as the error's `param`, so nothing has to guess it from the message.
+    """
 
     exit_code = 2
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        self.field = field
 
 
 class ModelError(TwinferError):
@@ -27,6 +35,10 @@ class WeightError(ModelError):
 
 class BackendUnavailable(TwinferError):
     """The requested backend's library is not installed or cannot run here."""
+
+
+class OptionError(TwinferError):
+    """A command's option (an options object's `field`) outside what it may be."""
 
 
 class RequestError(TwinferError):

@@ -34,6 +34,7 @@ from twinfer.backends.llamacpp._lib import (
 from twinfer.backends.llamacpp.amx import guard_amx, quiet_amx_notice
 from twinfer.backends.llamacpp.kv_port import LlamaCppKVPort
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
+from twinfer.backends.llamacpp.options import BLOCK_SIZE, KV_TYPES, LlamaCppOptions
 from twinfer.backends.llamacpp.slots import SlotKVSync
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.cpu import default_threads, mem_available, thp_mode
@@ -43,10 +44,6 @@ from twinfer.runtime.kv.traffic import StepTraffic, kv_layer_bytes
 from twinfer.runtime.runner import ExactShapes, KVLayout, KVSync, Runner
 from twinfer.runtime.spec import ModelSpec
 
-# Accounting granularity only: llama.cpp allocates KV per token, the engine counts blocks of this size.
-BLOCK_SIZE = 16
-# KV-cache element types (ggml_type ids) the runner accepts; the planner names formats the same way.
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 # Bytes per KV element of each cache type (q8_0/q4_0: 32-element blocks of 34 and 18 bytes).
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q4_0": 18 / 32, "q8_0": 34 / 32, "bf16": 2.0}
 # Exact steps hold at most this many one-token rows: 8+ take another matmul path (see LlamaCppRunner).
@@ -101,16 +98,15 @@ def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | No
     return model, load.finish() if load is not None else 0
 
 
-def _context_params(
-    lib: ModuleType, n_ctx: int, n_batch: int, max_seqs: int, n_threads: int, flash_attn: bool, kv_type: str,
-    unified_kv: bool, n_ubatch: int,
-) -> Any:
+def _context_params(lib: ModuleType, o: LlamaCppOptions, n_cells: int, n_threads: int) -> Any:
+    """llama.cpp's context parameters for `o`, with `n_cells` KV cells in all."""
     params = lib.llama_context_default_params()
     fields = {name for name, _ in type(params)._fields_}
-    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, min(n_ubatch, n_batch)
-    params.type_k = params.type_v = KV_TYPES[kv_type]
-    params.n_seq_max = max_seqs
+    params.n_ctx, params.n_batch, params.n_ubatch = n_cells, o.n_batch, min(o.n_ubatch, o.n_batch)
+    params.type_k = params.type_v = KV_TYPES[o.kv_type]
+    params.n_seq_max = o.max_seqs
     params.n_threads = params.n_threads_batch = n_threads
+    unified_kv, flash_attn = o.unified_kv, o.flash_attn
     params.no_perf = True
     if "kv_unified" in fields:
         params.kv_unified = unified_kv  # True: any sequence may use every cell, not n_ctx / n_seq_max of them
@@ -173,53 +169,28 @@ class LlamaCppRunner(Runner):
     # wave's prompts land in, where flash attention scans the whole cache (docs/benchmarks.md)
     step_tokens = 2048
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        n_ctx: int = 4096,
-        max_seqs: int = 16,
-        n_threads: int | None = None,
-        n_batch: int = 2048,
-        n_ubatch: int = 512,
-        spec: ModelSpec | None = None,
-        flash_attn: bool = True,
-        repack: bool = False,
-        kv_type: str = "f16",
-        unified_kv: bool = True,
-        huge_pages: bool | None = None,
-        verbose: bool = False,
-    ):
+    def __init__(self, path: str | os.PathLike[str], options: LlamaCppOptions | None = None, *,
+                 spec: ModelSpec | None = None):
         self._closed = True  # until everything below exists, close() has nothing to free
-        if (n_ctx < BLOCK_SIZE or n_batch < 1 or n_ubatch < 1 or max_seqs < 1
-                or (n_threads is not None and n_threads < 1)):
-            raise ValueError(
-                f"llama.cpp runner: need n_ctx >= {BLOCK_SIZE}, n_batch >= 1, n_ubatch >= 1, max_seqs >= 1, "
-                f"n_threads >= 1 (got n_ctx={n_ctx}, n_batch={n_batch}, n_ubatch={n_ubatch}, max_seqs={max_seqs}, "
-                f"n_threads={n_threads})"
-            )
-        if kv_type not in KV_TYPES:
-            raise ValueError(f"llama.cpp runner: kv_type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
-        if kv_type in ("q8_0", "q4_0") and not flash_attn:
-            raise ValueError(f"llama.cpp runner: a {kv_type} KV cache needs flash_attn=True (llama.cpp's V cache)")
+        o = options or LlamaCppOptions()
+        max_seqs, n_ctx = o.max_seqs, o.n_ctx
         lib = load_llama_cpp()
         if max_seqs > lib.llama_max_parallel_sequences():
             raise ValueError(
                 f"max_seqs={max_seqs} exceeds llama.cpp's limit of {lib.llama_max_parallel_sequences()}"
             )
-        set_quiet(lib, not verbose)
+        set_quiet(lib, not o.verbose)
         self._lib = lib
         self.path = Path(path)
-        self.n_threads = n_threads or default_threads()
+        self.n_threads = o.n_threads or default_threads()
         self.amx = guard_amx()
-        repack = repack and self.amx != "repack-off"  # crashing AMX kernels we could not keep out otherwise
-        self.flash_attn, self.repack, self.kv_type = flash_attn, repack, kv_type
-        with quiet_amx_notice(self.amx == "denied" and not verbose):
-            self._model, self.huge_page_bytes = _load_model(lib, self.path, repack, huge_pages)
-        self.unified_kv = unified_kv
+        repack = o.repack and self.amx != "repack-off"  # crashing AMX kernels we could not keep out otherwise
+        self.flash_attn, self.repack, self.kv_type = o.flash_attn, repack, o.kv_type
+        with quiet_amx_notice(self.amx == "denied" and not o.verbose):
+            self._model, self.huge_page_bytes = _load_model(lib, self.path, repack, o.huge_pages)
+        self.unified_kv = unified_kv = o.unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
-        params = _context_params(lib, total, n_batch, max_seqs, self.n_threads, flash_attn, kv_type, unified_kv,
-                                 n_ubatch)
+        params = _context_params(lib, o, total, self.n_threads)
         before = hugepages.snapshot() if self.huge_page_bytes else None
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:
@@ -249,9 +220,12 @@ class LlamaCppRunner(Runner):
         self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
         # llama.cpp rounds the cache up (to a multiple of 256 cells): report the real capacity
         seq_tokens = None if unified_kv else self.n_ctx // max_seqs
+        # recurrent and hybrid models (Mamba, Qwen3-Next) keep a state per sequence that llama.cpp cannot cut
+        # back to a position (seq_rm of a part fails): no prefix copies, no drafts (KVLayout.recurrent)
+        recurrent = bool(lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model))
         self.kv = KVLayout(
             block_size=BLOCK_SIZE, num_blocks=self.n_ctx // BLOCK_SIZE, paged=False, max_seqs=max_seqs,
-            seq_tokens=seq_tokens, copies_prefix=not unified_kv,
+            seq_tokens=seq_tokens, copies_prefix=not unified_kv and not recurrent, recurrent=recurrent,
         )
         self._slots: dict[int, int] = {}  # engine seq id -> llama seq id
         self._logits_address = address_function(lib, "llama_get_logits")

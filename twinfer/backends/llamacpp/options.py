@@ -1,0 +1,71 @@
+"""How a llama.cpp runner is built: one options object, and the policy that fills it from a run mode.
+
+`LlamaCppOptions` is everything `LlamaCppRunner` reads besides the file; its limits are checked here,
+once. `options_for_mode` is the one place that turns what a caller asked for (exact or fast) into
+llama.cpp's settings, so every path that opens a runner (a plain session, a memory budget, a draft
+model, a measuring harness) gets the same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# Accounting granularity only: llama.cpp allocates KV per token, the engine counts blocks of this size.
+BLOCK_SIZE = 16
+# KV-cache element types (ggml_type ids) the runner accepts; the planner names formats the same way.
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+
+# What a caller asks of the numerics:
+#   "fast": llama.cpp's defaults, weights repacked into its interleaved GEMM tiles (faster batched steps;
+#           a row's logits then depend on its place in the batch);
+#   "row-invariant": weights as stored, so a row's logits do not depend on its position mod 4 (speculative
+#           verification and measuring compare rows across steps);
+#   "batch-invariant": row-invariant, and each sequence in its own KV stream, where its cells lie exactly
+#           as they would alone (`serve --batch-invariant`).
+RunMode = Literal["fast", "row-invariant", "batch-invariant"]
+RUN_MODES: tuple[RunMode, ...] = ("fast", "row-invariant", "batch-invariant")
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    """Everything `LlamaCppRunner` reads besides the GGUF file and an optional spec."""
+
+    n_ctx: int = 4096  # KV cells: shared by all sequences (unified) or each sequence's own (streams)
+    max_seqs: int = 16
+    n_threads: int | None = None  # None: runtime.cpu.default_threads()
+    n_batch: int = 2048  # tokens per llama_decode call (llama-server's batch)
+    n_ubatch: int = 512
+    flash_attn: bool = True
+    repack: bool = False  # llama.cpp's weight repacking (use_extra_bufts): faster, not row-invariant
+    kv_type: str = "f16"
+    unified_kv: bool = True  # False: a stream of n_ctx cells per sequence
+    huge_pages: bool | None = None  # None: decide from the host and the file's size (hugepages.wanted)
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.n_ctx < BLOCK_SIZE or self.n_batch < 1 or self.n_ubatch < 1 or self.max_seqs < 1
+                or (self.n_threads is not None and self.n_threads < 1)):
+            raise ValueError(
+                f"llama.cpp runner: need n_ctx >= {BLOCK_SIZE}, n_batch >= 1, n_ubatch >= 1, max_seqs >= 1, "
+                f"n_threads >= 1 (got n_ctx={self.n_ctx}, n_batch={self.n_batch}, n_ubatch={self.n_ubatch}, "
+                f"max_seqs={self.max_seqs}, n_threads={self.n_threads})"
+            )
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"llama.cpp runner: kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        if self.kv_type in ("q8_0", "q4_0") and not self.flash_attn:
+            raise ValueError(f"llama.cpp runner: a {self.kv_type} KV cache needs flash_attn=True (llama.cpp's V cache)")
+
+
+def options_for_mode(mode: RunMode, *, n_ctx: int, max_seqs: int, n_threads: int | None = None,
+                     kv_type: str | None = None, streams: bool = False) -> LlamaCppOptions:
+    """The runner options for `mode`; `streams` asks for a KV stream per sequence (`--kv-layout`).
+
+    Batch-invariant runs always get streams: in one shared cache a sequence's cells land wherever the
+    others left room, and llama.cpp's attention sums a sequence's cells in cell order. Only "fast"
+    repacks the weights, whose 4-row GEMM tiles make a row's logits depend on its place in the batch.
+    """
+    if mode not in RUN_MODES:
+        raise ValueError(f"llama.cpp runner: mode {mode!r} is not one of {', '.join(RUN_MODES)}")
+    return LlamaCppOptions(n_ctx=n_ctx, max_seqs=max_seqs, n_threads=n_threads, kv_type=kv_type or "f16",
+                           repack=mode == "fast", unified_kv=not (streams or mode == "batch-invariant"))
