@@ -146,7 +146,8 @@ def test_a_server_on_a_q2_k_requantization_is_degraded(default_model: Path) -> N
         report = measure_remote_kl(None, "llamacpp", url, "prose", TOKENS, runners=RUNNERS)
     assert report.verdict == DEGRADED and not report.faithful
     assert report.kl.mean_kl > 10 * report.floor.allowance, (report.kl.mean_kl, report.floor)
-    assert report.lines()[-1].strip().startswith("FLAGGED, degraded: mean KL")
+    last = report.lines()[-1].strip()
+    assert last.startswith("FLAGGED: mean KL") and "degraded: the endpoint does not serve this model" in last
     d = report.as_dict()
     assert d["verdict"] == DEGRADED and d["floor"]["source"].startswith("measured: ") and d["allowance"] > 0
 

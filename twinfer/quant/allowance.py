@@ -61,8 +61,8 @@ def verdict_line(mean_kl: float, floor: KernelFloor, faithful_kl: float = FAITHF
     if v == NOISE:
         return (f"within kernel noise: mean KL {mean_kl:.2e} <= {floor.allowance:.2e}, no further from the "
                 "reference than another faithful kernel path of the same model")
-    return (f"FLAGGED, degraded: mean KL {mean_kl:.2e} > {floor.allowance:.2e} ({NOISE_MARGIN:g}x the kernel floor "
-            f"{floor.kl:.2e}): {what} does not serve this model faithfully")
+    return (f"FLAGGED: mean KL {mean_kl:.2e} > {floor.allowance:.2e} ({NOISE_MARGIN:g}x the kernel floor "
+            f"{floor.kl:.2e}): degraded: {what} does not serve this model faithfully")
 
 
 def llamacpp_mode(spec: str) -> str | None:
