@@ -83,24 +83,25 @@ _DRIVER = """
 import json, runpy, sys
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-for folder, out, outtype in json.loads(sys.argv[1]):
-    sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype]
+for folder, out, outtype, extra in json.loads(sys.argv[1]):
+    sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, *extra]
     runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def convert(folder: Path, out: Path, outtype: str = "f32") -> Path:
-    """Convert the Hugging Face folder `folder` to the GGUF file `out` (`outtype` f32 / f16 / bf16 / q8_0)."""
-    convert_many([(folder, out)], outtype)
+def convert(folder: Path, out: Path, outtype: str = "f32", args: tuple[str, ...] = ()) -> Path:
+    """Convert the Hugging Face folder `folder` to the GGUF file `out` (`outtype` f32 / f16 / bf16 / q8_0);
+    `args`: more converter options (`--no-mtp`)."""
+    convert_many([(folder, out)], outtype, args)
     return out
 
 
-def convert_many(pairs: list[tuple[Path, Path]], outtype: str = "f32") -> None:
+def convert_many(pairs: list[tuple[Path, Path]], outtype: str = "f32", args: tuple[str, ...] = ()) -> None:
     """Convert each (Hugging Face folder, GGUF file) pair in one converter process."""
     root = converter()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py"), str(root)]), NO_LOCAL_GGUF="1")
     driver = _DRIVER.format(pre=PRE_TOKENIZER, script=str(root / "convert_hf_to_gguf.py"))
-    jobs = json.dumps([(str(folder), str(out), outtype) for folder, out in pairs])
+    jobs = json.dumps([(str(folder), str(out), outtype, list(args)) for folder, out in pairs])
     result = subprocess.run([sys.executable, "-c", driver, jobs], capture_output=True, text=True, env=env, cwd=root,
                             timeout=900)
     missing = [str(folder) for folder, out in pairs if not out.is_file()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,7 @@ def hf_model(case: str) -> Any:
     """Random weights the way fixtures_models.random_causal_lm draws them (norms near 1, biases non-zero), for
     the case's classes, with matrices at std 0.1 (logits up to ~6) and decays A = exp(A_log) in (0.37, 2.7)."""
     prefix, kwargs = CASES[case]
-    config = getattr(transformers, CONFIGS[prefix])(**BASE, **kwargs)
+    config = getattr(transformers, CONFIGS[prefix])(**{**BASE, **kwargs})
     torch.manual_seed(0)
     model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
     with torch.no_grad():
@@ -298,3 +299,79 @@ def test_preempted_requests_equal_alone(root: str) -> None:
     for p, out in zip(prompts, outs, strict=True):
         assert out.token_ids == alone(root, p)
     assert e.blocks.num_used == 0 and e.runner.torch_ops.states.slots.held == 0
+
+
+# -- GGUF: llama.cpp's converter and runner -----------------------------------------------------------
+# llama.cpp runs delta nets whose key and value heads have one size; Qwen3.5's interleaved mrope needs
+# sections that fit the rotated dims (8 here: 2 + 1 + 1 pairs)
+GGUF_BASE = dict(vocab_size=320, hidden_size=64, max_position_embeddings=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                 full_attention_interval=2, **MOE)
+GGUF_CASES = {
+    "qwen3_next": ("Qwen3Next", dict(GGUF_BASE, intermediate_size=48)),
+    "qwen3_5_moe": ("Qwen3_5Moe", dict(GGUF_BASE, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+        mrope_interleaved=True))),
+}
+QWEN_CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@cache
+def gguf_file(case: str, root: str) -> str:
+    from gguf_convert import FAMILIES, convert, save_tiny_tokenizer
+
+    FAMILIES.setdefault("qwen", (("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>", QWEN_CHAT))
+    CASES[case] = GGUF_CASES[case]  # hf_model builds it like the logits cases
+    folder = f"{root}/{case}-gguf"
+    hf_model(case).save_pretrained(folder)
+    save_tiny_tokenizer(Path(folder), "qwen")
+    return str(convert(Path(folder), Path(f"{folder}.gguf"), args=("--no-mtp",)))
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
+def test_gguf_graph_matches_llamacpp(case: str, root: str) -> None:
+    pytest.importorskip("llama_cpp")
+    from twinfer.app.models import open_model
+    from twinfer.quant.fidelity import RunnerSource, corpus_windows
+    from twinfer.quant.kl import KLAccumulator
+
+    path = gguf_file(case, root)
+    spec = load_model(path).spec
+    assert spec.model_type == case and spec.layer_types == (LINEAR, "full_attention") * 2
+    llama_runner = open_model(path, "llamacpp", max_seqs=1, ctx=256).runner
+    assert llama_runner.kv.recurrent, "llama.cpp's runner must declare the recurrent state"
+    llama, ours = RunnerSource(llama_runner), RunnerSource(open_model(path, "torch", max_seqs=1, ctx=256).runner)
+    acc = KLAccumulator()
+    for window in corpus_windows(path, "prose", 128, 64):
+        ref = llama.logits(window)[:-1]
+        assert float(ref.std()) > 0.5  # logits that can disagree
+        acc.add(ref, ours.logits(window)[:-1])
+    report = acc.report("llamacpp", "torch", "prose")
+    print(f"{case} GGUF: mean KL {report.mean_kl:.2e}, max {report.max_kl:.2e}, top-1 {report.top1_agreement:.3f}")
+    assert report.mean_kl <= 0.01 and report.top1_agreement >= 0.94, report
+
+
+def test_gguf_engine_text_two_concurrent_equals_alone(root: str) -> None:
+    """On llama.cpp's runner: two requests sharing a prefix, run together, give the text each gives alone and
+    the torch graph's text; no prefix is reused (cached_tokens 0) and a proposer is refused."""
+    pytest.importorskip("llama_cpp")
+    from twinfer.app.models import open_model
+    from twinfer.runtime.speculative.ngram import NgramProposer
+
+    path = gguf_file("qwen3_next", root)
+    prompts = ["The quick brown fox jumps over", "The quick brown fox sleeps"]
+    texts = {}
+    for backend in ("llamacpp", "torch"):
+        opened = open_model(path, backend, max_seqs=2, ctx=256)
+        e = Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=2))
+        together = e.generate(prompts, GREEDY)
+        alone_ = [e.generate([p], GREEDY)[0] for p in prompts]
+        assert [o.text for o in together] == [o.text for o in alone_], backend
+        assert all(o.cached_tokens == 0 for o in together + alone_)
+        texts[backend] = [o.text for o in together]
+        if backend == "llamacpp":
+            with pytest.raises(TwinferError, match="speculative decoding is off"):
+                Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=2), proposer=NgramProposer())
+    assert texts["llamacpp"] == texts["torch"] and all(t.strip() for t in texts["torch"]), texts

@@ -126,7 +126,7 @@ def spec_from_gguf(contents: GGUFContents) -> ModelSpec:
         num_heads=n_heads,
         num_kv_heads=k.int("attention.head_count_kv", n_heads),
         head_dim=head_dim,
-        intermediate_size=k.int("feed_forward_length"),
+        intermediate_size=k.int("feed_forward_length", 0),  # 0: MoE-only files (qwen35moe) write none
         max_position=k.int("context_length", 8192),
         rms_norm_eps=k.float("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=k.float("rope.freq_base", 10000.0),
@@ -155,7 +155,7 @@ def _moe(k: GGUFKeys) -> MoESpec | None:
     return MoESpec(
         num_experts=expert_count,
         top_k=k.int("expert_used_count"),
-        expert_intermediate_size=k.int("expert_feed_forward_length", k.int("feed_forward_length")),
+        expert_intermediate_size=k.int("expert_feed_forward_length", 0) or k.int("feed_forward_length"),
         norm_topk_prob=bool(k.meta.get(f"{k.arch}.expert_weights_norm", True)),
     )
 

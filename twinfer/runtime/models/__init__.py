@@ -50,6 +50,8 @@ GGUF_ARCHS: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "qwen3next": "qwen3_next",
+    "qwen35moe": "qwen3_5_moe",
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",
     "deepseek32": "deepseek_v32",

@@ -15,7 +15,8 @@ A_log are split and turned into the canonical layout at load time.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,9 +26,12 @@ from twinfer.runtime.loaders.weights import Transform, elementwise
 from twinfer.runtime.models.arch import Architecture, Fields
 from twinfer.runtime.models.base import Model as _Decoder
 from twinfer.runtime.models.base import Shapes, Weights
-from twinfer.runtime.models.common import HF_FUSED_EXPERTS, HF_STACKED_EXPERTS, L
+from twinfer.runtime.models.common import GGUF_MOE, HF_FUSED_EXPERTS, HF_STACKED_EXPERTS, L
 from twinfer.runtime.ops import Array, Ops, StepContext
 from twinfer.runtime.spec import FULL, LINEAR, LinearAttnSpec, ModelSpec, MoESpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.loaders.gguf_file import GGUFKeys
 
 FULL_ATTENTION_INTERVAL = 4  # transformers' default: every 4th layer is full attention
 
@@ -231,11 +235,70 @@ HF_DEFAULTS = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "norm_topk_prob": True,
 }  # fmt: skip
 
+# llama.cpp's names (convert_hf_to_gguf.py, qwen3next): norms already 1 + w, A_log already -exp(A_log),
+# in_proj_qkvz split into attn_qkv (q, k, v side by side) and attn_gate (z); in_proj_ba kept grouped
+BLK = "blk.{i}."
+GGUF_RULES = (
+    rule("token_embd.weight", "embed"),
+    rule("output_norm.weight", "norm"),
+    rule("output.weight", "lm_head"),
+    rule(BLK + "attn_norm.weight", "layers.{i}.attn_norm"),
+    rule(BLK + "post_attention_norm.weight", "layers.{i}.mlp_norm"),
+    rule(BLK + "attn_q.weight", "layers.{i}.q", "q_of_gated"),
+    rule(BLK + "attn_q.weight", "layers.{i}.q_gate", "gate_of_gated"),
+    rule(BLK + "attn_k.weight", "layers.{i}.k"),
+    rule(BLK + "attn_v.weight", "layers.{i}.v"),
+    rule(BLK + "attn_output.weight", "layers.{i}.o"),
+    rule(BLK + "attn_q_norm.weight", "layers.{i}.q_norm"),
+    rule(BLK + "attn_k_norm.weight", "layers.{i}.k_norm"),
+    rule(BLK + "ssm_norm.weight", "layers.{i}.lin.norm"),
+    *(rule(BLK + f"ffn_{p}.weight", "layers.{i}." + p) for p in ("gate", "up", "down")),
+    *GGUF_MOE,
+    *(rule(BLK + f"ffn_{p}_shexp.weight", f"layers.{{i}}.shared.{p}") for p in ("gate", "up", "down")),
+    rule(BLK + "ffn_gate_inp_shexp.weight", "layers.{i}.shared_gate"),
+)
+GGUF_NAMES = NameTable("qwen3next GGUF", GGUF_RULES + (
+    rule(BLK + "attn_qkv.weight", "layers.{i}.lin.qkv"),
+    rule(BLK + "attn_gate.weight", "layers.{i}.lin.z"),
+    rule(BLK + "ssm_ba.weight", "layers.{i}.lin.b", "ba_b"),
+    rule(BLK + "ssm_ba.weight", "layers.{i}.lin.a", "ba_a"),
+    rule(BLK + "ssm_conv1d.weight", "layers.{i}.lin.conv"),
+    rule(BLK + "ssm_dt.bias", "layers.{i}.lin.dt_bias"),
+    rule(BLK + "ssm_a", "layers.{i}.lin.decay"),
+    rule(BLK + "ssm_out.weight", "layers.{i}.lin.out"),
+), transforms=TRANSFORMS)
+
+
+def gguf_spec(k: GGUFKeys, fields: Fields) -> Fields:
+    """Layer types from `attention.recurrent_layers` (else `full_attention_interval`), the delta-net shape from
+    the `ssm.*` keys, the rotated share of each head from `rope.dimension_count`, the shared expert."""
+    n, head_dim = fields["num_layers"], fields["head_dim"]
+    recurrent = k.meta.get(f"{k.arch}.attention.recurrent_layers")
+    if isinstance(recurrent, list) and len(recurrent) == n:
+        types = tuple(LINEAR if r else FULL for r in recurrent)
+    else:
+        interval = k.int("full_attention_interval", FULL_ATTENTION_INTERVAL)
+        types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+    hv = k.int("ssm.time_step_rank")
+    la = LinearAttnSpec(num_k_heads=k.int("ssm.group_count"), num_v_heads=hv, head_k_dim=k.int("ssm.state_size"),
+                        head_v_dim=k.int("ssm.inner_size") // hv, conv_kernel=k.int("ssm.conv_kernel"))
+    moe, shared = fields["moe"], k.int("expert_shared_feed_forward_length", 0)
+    if moe is not None and shared:
+        moe = replace(moe, num_shared_experts=1, shared_intermediate_size=shared)
+    out = fields | dict(layer_types=types, linear_attn=la, moe=moe, qk_norm=True,
+                        partial_rotary_factor=k.int("rope.dimension_count", head_dim) / head_dim)
+    if not out["intermediate_size"] and moe is not None:  # no dense MLP (qwen35moe): the shared expert's width
+        out["intermediate_size"] = moe.shared_intermediate_size
+    return out
+
+
 ARCH = Architecture(
     name="qwen3_next",
     model=Model,
     hf_names=HF_NAMES,
+    gguf_names=GGUF_NAMES,
     hf_defaults=HF_DEFAULTS,
     hf_spec=hf_spec,
+    gguf_spec=gguf_spec,
     hf_skip=hf_skip,
 )
