@@ -94,7 +94,7 @@ def _save_mxfp4(model: Any, folder: Path) -> None:
     """gpt-oss as published: experts as MXFP4 `*_blocks` / `*_scales` (quant/mxfp4.py), the rest float."""
     from safetensors.numpy import save_file
 
-    from twinfer.quant import mxfp4
+    from twinfer.formats import mxfp4
 
     state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -110,7 +110,7 @@ def _save_mxfp4(model: Any, folder: Path) -> None:
 
 def _mxfp4_experts(case: str, name: str, layer: int = 0) -> np.ndarray:
     """The MXFP4-rounded experts of `case` as [E, out, in], from transformers' [E, in, out]."""
-    from twinfer.quant import mxfp4
+    from twinfer.formats import mxfp4
 
     w = _hf_model(case).state_dict()[f"model.layers.{layer}.mlp.experts.{name}"].float().numpy()
     return np.stack([mxfp4.pack(np.ascontiguousarray(x.T)).unpack() for x in w])

@@ -184,7 +184,7 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path: Path, backend: str) -> None:
 
     from safetensors.numpy import save_file
 
-    from twinfer.quant import mxfp4
+    from twinfer.formats import mxfp4
 
     model = copy.deepcopy(hf_model("gpt_oss-a"))
     state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from twinfer.formats.bitpack import code_group, pack_bits, pack_rows, packed_width, unpack_bits
 from twinfer.planners.formats import KV_FORMATS, turboquant_kv_bits
-from twinfer.quant.bitpack import code_group, pack_bits, pack_rows, packed_width, unpack_bits
 from twinfer.quant.kv_format import parse_kv_format
 
 BITS = range(1, 9)

@@ -2,12 +2,14 @@
 
 runtime (the core) imports nothing above it; quant measures through runners it is handed and never
 imports a backend; planners never touch a device; backends never reach up into the application;
-the app layer is the one place that knows every other. A string handed to `importlib` counts too.
+the app layer is the one place that knows every other. formats is the leaf under all of them: numpy
+only, importing nothing else from twinfer. A string handed to `importlib` counts too.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import twinfer
 PACKAGE = Path(twinfer.__file__).parent
 FACES = ("cli", "tui", "server")
 FORBIDDEN = {  # layer -> the layers it must never import
+    "formats": ("runtime", "planners", "quant", "backends", "app", *FACES),
     "runtime": ("planners", "quant", "backends", "app", *FACES),
     "quant": ("backends", "app", *FACES),
     "planners": ("backends", "app", *FACES),
@@ -98,6 +101,27 @@ def test_runtime_holds_no_web_server() -> None:
 
 def test_quant_never_imports_a_backend() -> None:
     assert upward_imports()["quant"] == []
+
+
+def test_formats_is_a_leaf_of_numpy() -> None:
+    """Element tables and codecs every layer reads: importing anything but numpy, the standard library
+    or itself would make one of its importers import more than it declares."""
+    assert upward_imports()["formats"] == []
+    found = [f"{p.name}:{line} imports {m}" for p in sorted((PACKAGE / "formats").rglob("*.py"))
+             for line, m in imported(p)
+             if m.split(".")[0] not in ("numpy", "__future__", *sys.stdlib_module_names)
+             and not m.startswith("twinfer.formats")]
+    assert found == []
+
+
+# The E2M1 code -> value table, however it is spelled (0 or 0.0, ints or floats).
+_E2M1_LIST = re.compile(r"\[\s*0(\.0)?,\s*0\.5,\s*1(\.0)?,\s*1\.5,\s*2(\.0)?,\s*3(\.0)?,\s*4(\.0)?,\s*6(\.0)?,\s*-0")
+
+
+def test_the_e2m1_table_is_written_once_in_formats() -> None:
+    found = [p.relative_to(PACKAGE).as_posix() for p in sorted(PACKAGE.rglob("*.py"))
+             if _E2M1_LIST.search(p.read_text())]
+    assert found == ["formats/e2m1.py"]
 
 
 def test_planners_backends_and_app_import_only_downward() -> None:

@@ -7,10 +7,11 @@ import importlib.util
 import numpy as np
 import pytest
 
-from twinfer.quant import affine, fp8, mxfp4, nvfp4
-from twinfer.quant.bitpack import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
-from twinfer.quant.e2m1 import E2M1_VALUES, decode_e2m1, encode_e2m1
-from twinfer.quant.fp8 import E4M3_TABLE, decode_e4m3, encode_e4m3
+from twinfer.formats import fp8, mxfp4, nvfp4
+from twinfer.formats.bitpack import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
+from twinfer.formats.e2m1 import E2M1_VALUES, decode_e2m1, encode_e2m1
+from twinfer.formats.fp8 import E4M3_TABLE, decode_e4m3, encode_e4m3
+from twinfer.quant import affine
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 needs_mlx = pytest.mark.skipif(not HAS_MLX, reason="mlx is not installed")
@@ -258,23 +259,6 @@ def test_load_mxfp4_matches_transformers() -> None:
     )
     # transformers returns [experts, in, out]; the checkpoint (and we) are [experts, out, in].
     assert np.array_equal(mxfp4.load_mxfp4_tensor(blocks, scales), ref.transpose(1, 2).numpy())
-
-
-def test_load_mxfp4_from_safetensors(tmp_path) -> None:
-    st = pytest.importorskip("safetensors.numpy")
-    blocks, scales, expected = _gpt_oss_example()
-    path = tmp_path / "experts.safetensors"
-    st.save_file(
-        {
-            "model.layers.0.mlp.experts.gate_up_proj_blocks": blocks,
-            "model.layers.0.mlp.experts.gate_up_proj_scales": scales,
-        },
-        str(path),
-    )
-    got = mxfp4.load_mxfp4_safetensors(path, "model.layers.0.mlp.experts.gate_up_proj")
-    assert np.array_equal(got, expected)
-    with pytest.raises(KeyError, match="down_proj"):
-        mxfp4.load_mxfp4_safetensors(path, "model.layers.0.mlp.experts.down_proj")
 
 
 def test_mxfp4_pack_follows_ocp_recipe() -> None:

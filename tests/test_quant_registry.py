@@ -65,8 +65,8 @@ def test_unknown_format_is_explained() -> None:
 
 def test_quant_imports_neither_torch_nor_mlx() -> None:
     code = (
-        "import sys, twinfer.quant, twinfer.quant.affine, twinfer.quant.fp8, twinfer.quant.nvfp4, "
-        "twinfer.quant.mxfp4, twinfer.quant.qjl; "
+        "import sys, twinfer.quant, twinfer.quant.affine, twinfer.formats.fp8, twinfer.formats.nvfp4, "
+        "twinfer.formats.mxfp4, twinfer.quant.qjl; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mlx', 'safetensors')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,9 +1,9 @@
-"""Weight and KV-cache compression: formats, TurboQuant, and the registry the planner reads.
+"""Weight and KV-cache compression: TurboQuant, the registry the planner reads, and the measuring harness.
 
-Everything here is numpy only; backends import the layouts documented in each module.
+Everything here is numpy only; backends import the layouts documented in each module. The published
+formats (FP8, NVFP4, MXFP4 and their element types) are written once in `twinfer.formats`.
 
-* ``affine``: int8/int4 groups in MLX's layout;   ``fp8``: E4M3 per tensor and 128x128 blocks;
-* ``nvfp4``: E2M1 + E4M3 block scales + FP32 global; ``mxfp4``: E2M1 + E8M0, gpt-oss loading;
+* ``affine``: int8/int4 groups in MLX's layout;
 * ``turboquant`` (+ ``hadamard``, ``lloyd_max``, ``qjl``, ``turboquant_kv``, ``turboquant_weight``);
 * ``linear``: the QuantizedWeight container backends run; ``kv_format``: KV-cache formats;
 * ``model_io``: quantized views and folders; ``search``: per-tensor formats by measured KL.

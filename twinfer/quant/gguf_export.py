@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.formats.bitpack import unpack_nibbles
+from twinfer.formats.mxfp4 import E8M0_NAN, MXFP4Tensor
 from twinfer.quant.affine import AffineTensor
-from twinfer.quant.bitpack import unpack_nibbles
 from twinfer.quant.gguf_rewrite import TypedGGUF, rewrite_gguf
 from twinfer.quant.linear import QuantizedWeight
-from twinfer.quant.mxfp4 import E8M0_NAN, MXFP4Tensor
 from twinfer.runtime.errors import TwinferError
 from twinfer.runtime.loaders.gguf_reader import GGUFContents
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from twinfer.quant.bitpack import packed_width
+from twinfer.formats.bitpack import packed_width
 from twinfer.quant.hadamard import next_pow2
 from twinfer.quant.qjl import TurboQuantProd
 from twinfer.quant.turboquant import TurboQuantMSE, split_rate
@@ -55,7 +55,7 @@ class KVFormat:
 
     def bits_per_element(self, head_dim: int) -> float:
         """Stored bits per cached element (keys and values averaged) as the backends' caches hold them:
-        each channel set's codes bit-packed over its rotated width (quant/bitpack.py) plus a float16 norm;
+        each channel set's codes bit-packed over its rotated width (formats/bitpack.py) plus a float16 norm;
         QJL keys add a bit per channel and a float16 residual norm."""
         low, n_hi = split_rate(self.rate, head_dim)
         sets = [(n_hi, low + 1), (head_dim - n_hi, low)] if n_hi else [(head_dim, low)]

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from twinfer.quant import affine, fp8, mxfp4, nvfp4
+from twinfer.formats import fp8, mxfp4, nvfp4
+from twinfer.quant import affine
 from twinfer.quant.registry import FORMAT_INFO, FORMATS, pack_weight
 from twinfer.quant.turboquant import TQCodes, TQTensor, TurboQuant
 from twinfer.quant.turboquant_weight import TQWeight

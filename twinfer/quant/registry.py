@@ -78,7 +78,8 @@ def native_on(hardware_family: str) -> tuple[str, ...]:
 
 def pack_weight(fmt: str, w: np.ndarray, seed: int = 0, **options: Any) -> Any:
     """Quantize ``w`` float32 ``[out, in]`` into format ``fmt``; the result has ``unpack()`` and ``nbytes``."""
-    from twinfer.quant import affine, fp8, mxfp4, nvfp4
+    from twinfer.formats import fp8, mxfp4, nvfp4
+    from twinfer.quant import affine
     from twinfer.quant.turboquant_weight import turboquant_weight
 
     packers: dict[str, Callable[..., Any]] = {

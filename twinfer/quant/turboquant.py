@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from twinfer.quant.bitpack import pack_bits, unpack_bits
+from twinfer.formats.bitpack import pack_bits, unpack_bits
 from twinfer.quant.hadamard import HadamardRotation
 from twinfer.quant.lloyd_max import Codebook, lloyd_max
 

@@ -10,7 +10,7 @@ native kernel runs them.
 
 KV (`TorchTQKV`): per layer, each new key/value head vector is split into its channel sets, rotated,
 normalized and coded by the Lloyd-Max boundaries; bit-packed codes (`TorchCodePacking`, the layout of
-quant/bitpack.py: two 4-bit codes a byte, eight 3-bit codes in three bytes) and float16 norms are what
+formats/bitpack.py: two 4-bit codes a byte, eight 3-bit codes in three bytes) and float16 norms are what
 the cache holds, and QJL signs take one bit each. Codes are packed as they are written and unpacked
 from the gathered slots inside attention. Attention never decodes back to the original basis: queries
 are rotated once per step (and sketched by `S` for QJL keys), scores are taken against
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from twinfer.quant.bitpack import code_group, packed_width
+from twinfer.formats.bitpack import code_group, packed_width
+from twinfer.formats.e2m1 import E2M1_VALUES
 from twinfer.quant.kv_format import ChannelSet, KVFormat, mse_sets, qjl_sketch
 from twinfer.quant.linear import QuantizedExperts, QuantizedWeight, tq_linear_parts
 
@@ -92,7 +93,7 @@ def _tensor(a: Any, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.array(a, copy=True)).to(device)  # a copy: published parts are file views
 
 
-_FP4 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+_FP4 = torch.from_numpy(E2M1_VALUES.copy())
 
 
 def fp4_values(packed: torch.Tensor) -> torch.Tensor:
@@ -204,7 +205,7 @@ def torch_weight(qw: QuantizedWeight | QuantizedExperts, device: torch.device, d
 
 # -- KV cache --------------------------------------------------------------------------------------
 class TorchCodePacking:
-    """Rows of `n` codes of `bits` bits <-> uint8 `[..., packed_width(n, bits)]` (quant/bitpack.py's layout).
+    """Rows of `n` codes of `bits` bits <-> uint8 `[..., packed_width(n, bits)]` (formats/bitpack.py's layout).
 
     Each run of `G` codes (`code_group`) becomes one integer word `sum_j code_j << bits*j`, written out as
     its `W` little-endian bytes; the row is zero-padded to whole runs. Words are int32 up to 3 bytes.

@@ -3,7 +3,7 @@
 Affine int8/int4 weights go to `mx.quantized_matmul` unchanged (`quant/affine.py` writes MLX's
 layout, bit-identical to `mx.quantize`). TurboQuant weights rotate activation blocks and multiply
 by the codebook-decoded rotated weight; fp8/nvfp4/mxfp4 are dequantized once at load. The KV cache
-stores bit-packed codes (quant/bitpack.py's layout, as the torch cache) and float16 norms per channel
+stores bit-packed codes (formats/bitpack.py's layout, as the torch cache) and float16 norms per channel
 set, QJL signs one bit each, and attends in the rotated domain (see backends/cuda/quant.py for the
 derivation); MLX arrays are immutable, so a write builds new arrays.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from twinfer.quant.bitpack import code_group, packed_width
+from twinfer.formats.bitpack import code_group, packed_width
 from twinfer.quant.kv_format import ChannelSet, KVFormat, mse_sets, qjl_sketch
 from twinfer.quant.linear import QuantizedExperts, QuantizedWeight, tq_linear_parts
 

@@ -33,6 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from twinfer.formats.bitpack import unpack_nibbles
+from twinfer.formats.e2m1 import decode_e2m1
+from twinfer.formats.fp8 import decode_e4m3
 from twinfer.runtime.errors import ModelError, WeightError
 from twinfer.runtime.loaders.quantized import _DECODERS, PackedWeight
 from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor
@@ -393,32 +396,18 @@ def _ct_int_tensor(layout: Layout, module: str, parts: dict[str, SafetensorsTens
 
 
 # -- numpy dequantization (what float readers get) -------------------------------------------------
-def _e4m3_table() -> np.ndarray:
-    codes = np.arange(256)
-    exp, man = (codes >> 3) & 0xF, codes & 0x7
-    mag = np.where(exp == 0, man * 2.0**-9, (1.0 + man / 8.0) * 2.0 ** (exp - 7))
-    vals = np.where(codes & 0x80, -mag, mag)
-    return np.where((exp == 15) & (man == 7), np.nan, vals).astype(np.float32)
-
-
-E4M3 = _e4m3_table()
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
-
-
 def dequantize(fmt: str, shape: Shape, a: dict[str, np.ndarray], meta: dict[str, Any]) -> np.ndarray:
     """float32 values of a packed linear (twinfer field names, see `PackedTensor.arrays`)."""
     out, inp = shape[-2], shape[-1]
     if fmt == "fp8":
-        return E4M3[a["codes"]] * a["scale"]
+        return decode_e4m3(a["codes"]) * a["scale"]
     if fmt == "fp8-block":
         b = int(meta["block"])
         s = np.repeat(np.repeat(a["scale_inv"], b, axis=0), b, axis=1)[:out, :inp]
-        return E4M3[a["codes"]] * s
+        return decode_e4m3(a["codes"]) * s
     if fmt == "nvfp4":
-        p = a["packed"]
-        vals = np.empty((out, inp), dtype=np.float32)
-        vals[:, 0::2], vals[:, 1::2] = E2M1[p & 0x0F], E2M1[p >> 4]
-        scales = E4M3[a["scales"]] * a["global_scale"]
+        vals = decode_e2m1(unpack_nibbles(a["packed"]))  # [out, inp]
+        scales = decode_e4m3(a["scales"]) * a["global_scale"]
         return (vals.reshape(out, -1, 16) * scales[..., None]).reshape(out, inp)
     if fmt in ("int4", "int8"):
         bits, group = int(meta["bits"]), int(meta["group_size"])

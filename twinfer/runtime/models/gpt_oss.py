@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from twinfer.formats.mxfp4 import load_mxfp4_tensor
 from twinfer.runtime.loaders.names import NameTable, rule
 from twinfer.runtime.loaders.weights import Shape, Transform
 from twinfer.runtime.models.arch import Architecture, Fields
@@ -74,24 +75,14 @@ def _columns(part: int, transpose: bool) -> Transform:
     return Transform(apply, shape, split=2)
 
 
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 MXFP4_PARTS = ("blocks", "scales")
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MXFP4 blocks [..., G, 16] (codes as values) and E8M0 scales [..., G] -> float32 [..., G * 32]."""
-    b, exp = blocks.astype(np.uint8), scales.astype(np.int32) - 127
-    values = np.empty((*b.shape[:-1], 32), dtype=np.float32)
-    values[..., 0::2], values[..., 1::2] = E2M1[b & 0x0F], E2M1[b >> 4]
-    values *= np.ldexp(np.float32(1.0), exp)[..., None].astype(np.float32)
-    return values.reshape(*b.shape[:-2], -1)
 
 
 def _mxfp4(rows: int | None) -> Transform:
     """Dequantized MXFP4 experts [E, out, in]; `rows` 0 / 1 keeps the even (gate) / odd (up) rows."""
 
     def apply(a: list[np.ndarray], spec: ModelSpec) -> np.ndarray:
-        w = dequantize_mxfp4(a[0], a[1])
+        w = load_mxfp4_tensor(a[0], a[1])  # [E, out, G, 16] + [E, out, G] -> [E, out, G * 32]
         return w if rows is None else w[:, rows::2]
 
     def shape(s: list[Shape], spec: ModelSpec) -> Shape:

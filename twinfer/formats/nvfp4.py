@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from twinfer.quant.bitpack import pack_nibbles, unpack_nibbles
-from twinfer.quant.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
-from twinfer.quant.fp8 import E4M3_MAX, decode_e4m3, encode_e4m3
+from twinfer.formats.bitpack import pack_nibbles, unpack_nibbles
+from twinfer.formats.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
+from twinfer.formats.fp8 import E4M3_MAX, decode_e4m3, encode_e4m3
 
 BLOCK = 16
 _E4M3_ONE = 0x38

@@ -20,25 +20,17 @@ nothing saturates, so its codes can differ; its decoding agrees.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from twinfer.quant.bitpack import pack_nibbles, unpack_nibbles
-from twinfer.quant.e2m1 import decode_e2m1, encode_e2m1
+from twinfer.formats.bitpack import pack_nibbles, unpack_nibbles
+from twinfer.formats.e2m1 import decode_e2m1, encode_e2m1
+from twinfer.formats.e8m0 import E8M0_BIAS, E8M0_NAN, decode_e8m0
 
+__all__ = ["BLOCK", "E8M0_BIAS", "E8M0_NAN", "MXFP4Tensor", "decode_e8m0", "load_mxfp4_tensor", "matmul", "pack",
+           "unpack"]
 BLOCK = 32
-E8M0_BIAS = 127
-E8M0_NAN = 255
 _E2M1_EMAX = 2
-
-
-def decode_e8m0(codes: np.ndarray) -> np.ndarray:
-    """E8M0 codes -> float32 ``2**(code - 127)`` (255 -> NaN)."""
-    codes = np.asarray(codes, dtype=np.uint8)
-    exps = np.minimum(codes, E8M0_NAN - 1).astype(np.int32) - E8M0_BIAS
-    out = np.ldexp(np.float32(1.0), exps).astype(np.float32)
-    return np.where(codes == E8M0_NAN, np.float32(np.nan), out)
 
 
 @dataclass(frozen=True)
@@ -77,23 +69,6 @@ def load_mxfp4_tensor(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     vals = decode_e2m1(unpack_nibbles(blocks))  # [..., G, 32]
     out = vals * decode_e8m0(scales)[..., None]
     return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
-
-
-def load_mxfp4_safetensors(path: str | Path, name: str) -> np.ndarray:
-    """Read and dequantize one MXFP4 tensor from a safetensors file.
-
-    Accepts both spellings: Hugging Face's ``{name}_blocks`` / ``{name}_scales`` and the original
-    checkpoint's ``{name}.blocks`` / ``{name}.scales``.
-    """
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
-        keys = set(f.keys())
-        for sep in ("_", "."):
-            b, s = f"{name}{sep}blocks", f"{name}{sep}scales"
-            if b in keys and s in keys:
-                return load_mxfp4_tensor(f.get_tensor(b), f.get_tensor(s))
-    raise KeyError(f"no MXFP4 tensor '{name}' in {path}: expected '{name}_blocks' and '{name}_scales'")
 
 
 def pack(w: np.ndarray) -> MXFP4Tensor:
