@@ -78,12 +78,13 @@ def test_streamed_greedy_equals_resident_at_half_budget(case: str, backend: str)
 def test_2gb_gpt_oss_moe_at_half_budget(tmp_path: Path) -> None:
     """A synthetic gpt-oss-shaped model (biased router and experts, clamped SwiGLU, sinks, sliding
     layers) of more than 2 GB streams at half its size within the documented slack."""
+    from tests.synthetic_gpt_oss import SyntheticGptOss
     from tests.test_experts import RSS_SLACK, _bench
-    from twinfer.runtime.synthetic import SyntheticGptOss, write_synthetic_gpt_oss
+    from twinfer.runtime.synthetic import write_synthetic_moe
 
     shape = SyntheticGptOss()
     assert shape.expert_bytes >= 2e9
-    folder = write_synthetic_gpt_oss(tmp_path / "oss2g", shape)
+    folder = write_synthetic_moe(tmp_path / "oss2g", shape)
     weight_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     budget = weight_bytes // 2
     full = _bench(folder, "torch", 0, 3)

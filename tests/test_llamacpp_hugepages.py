@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from twinfer.backends.llamacpp import hugepages as hp
-from twinfer.runtime.cpu import HUGE_PAGE_MODES, mem_available, thp_mode
+from twinfer.backends.llamacpp.hugepages import mem_available
+from twinfer.runtime.cpu import HUGE_PAGE_MODES, thp_mode
 
 MIB = 1 << 20
 

@@ -83,6 +83,8 @@ def cpu_model() -> str:
     return cpuinfo().get("model name") or platform.processor() or platform.machine() or "cpu"
 
 
+# Huge pages: the planner's probe and cost model read these as the llama.cpp runner does, and planners
+# import no backend, so the mode and the size rule live here, below both.
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE_MODES = ("always", "madvise")  # THP modes in which memory that asks for huge pages gets them
 
@@ -109,14 +111,3 @@ def huge_pages_fit(model_bytes: float, memory_bytes: float | None) -> bool:
     mapped, where the kernel can drop and re-read its pages instead of swapping, and processes share them.
     The runner asks the memory available when it loads; a plan, the device's size."""
     return memory_bytes is not None and 2 * model_bytes <= memory_bytes
-
-
-def mem_available(path: Path = Path("/proc/meminfo")) -> int | None:
-    """Bytes the kernel says it can give without swapping (MemAvailable), or None where it does not say."""
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

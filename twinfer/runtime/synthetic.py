@@ -1,8 +1,8 @@
 """Random-weight checkpoints written tensor by tensor, for tests and benchmarks of large models.
 
 `write_synthetic_moe` writes a Hugging Face folder (config.json, sharded safetensors, an index) of an
-architecture's synthetic shape, which its model file declares (`SyntheticMoE`: Qwen3-MoE with one
-tensor per expert; `SyntheticGptOss`: gpt-oss with fused experts), of any size with bounded memory:
+synthetic shape (`SyntheticMoE`, declared by the qwen3_moe model file: one tensor per expert; the
+tests' gpt-oss shape with fused experts), of any size with bounded memory:
 each tensor is drawn from its own seeded generator, written, and dropped, so a 2 GB model costs one
 tensor of RAM to make.
 `greedy_tokens` decodes a prompt greedily straight through a runner (no tokenizer needed).
@@ -19,17 +19,15 @@ from typing import Protocol
 import numpy as np
 
 from twinfer.runtime.batch import SeqChunk, StepBatch
-from twinfer.runtime.models.gpt_oss import SyntheticGptOss
 from twinfer.runtime.models.qwen3_moe import SyntheticMoE
 from twinfer.runtime.runner import Runner
 
-__all__ = ["SyntheticGptOss", "SyntheticMoE", "SyntheticShape", "greedy_tokens", "write_synthetic_gpt_oss",
-           "write_synthetic_moe"]
+__all__ = ["SyntheticMoE", "SyntheticShape", "greedy_tokens", "write_synthetic_moe"]
 
 
 class SyntheticShape(Protocol):
-    """What the writer needs of an architecture's synthetic shape (`qwen3_moe.SyntheticMoE`,
-    `gpt_oss.SyntheticGptOss`): its config.json and, per layer, (name, shape, std) of its tensors."""
+    """What the writer needs of an architecture's synthetic shape (`qwen3_moe.SyntheticMoE`, the tests'
+    `SyntheticGptOss`): its config.json and, per layer, (name, shape, std) of its tensors."""
 
     @property
     def hidden(self) -> int: ...
@@ -99,11 +97,6 @@ def write_synthetic_moe(folder: Path, shape: SyntheticShape | None = None, seed:
     index_json = {"metadata": {}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_json))
     return folder
-
-
-def write_synthetic_gpt_oss(folder: Path, shape: SyntheticGptOss | None = None, seed: int = 0) -> Path:
-    """Write a random gpt-oss checkpoint (default: `SyntheticGptOss()`) into `folder` (one shard per layer)."""
-    return write_synthetic_moe(folder, shape if shape is not None else SyntheticGptOss(), seed)
 
 
 def greedy_tokens(runner: Runner, prompt: list[int], steps: int, seq_id: int = 1) -> list[int]:

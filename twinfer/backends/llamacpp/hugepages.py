@@ -52,6 +52,23 @@ def wanted(model_bytes: int, mode: str | None, available: int | None) -> bool:
     return mode in HUGE_PAGE_MODES and huge_pages_fit(model_bytes, available)
 
 
+def mem_available(path: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
+    """Bytes the kernel says it can give without swapping (MemAvailable), or None where it does not say:
+    what `wanted` weighs a model against when it loads (a plan weighs the device's size instead)."""
+    try:
+        for line in _read(path).splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read(path: str | os.PathLike[str]) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def anonymous_ranges(maps: str) -> list[Range]:
     """The private, writable, anonymous mappings (the heap included) of a /proc/PID/maps text."""
     out = []

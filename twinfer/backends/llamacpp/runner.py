@@ -37,7 +37,7 @@ from twinfer.backends.llamacpp.metadata import model_desc, model_spec
 from twinfer.backends.llamacpp.options import BLOCK_SIZE, KV_TYPES, LlamaCppOptions
 from twinfer.backends.llamacpp.slots import SlotKVSync
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
-from twinfer.runtime.cpu import default_threads, mem_available, thp_mode
+from twinfer.runtime.cpu import default_threads, thp_mode
 from twinfer.runtime.errors import ModelError
 from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.kv.traffic import StepTraffic, kv_layer_bytes
@@ -77,7 +77,7 @@ def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | No
     if hasattr(params, "use_extra_bufts"):
         params.use_extra_bufts = repack  # CPU weight repacking: its 4-row GEMM tiles break batch invariance
     if huge_pages is None:
-        huge_pages = hugepages.wanted(path.stat().st_size, thp_mode(), mem_available())
+        huge_pages = hugepages.wanted(path.stat().st_size, thp_mode(), hugepages.mem_available())
     load = callback = None
     fields = {name for name, _ in type(params)._fields_}
     able = hugepages.supported() and bool(fields & {"load_mode", "use_mmap"}) and hasattr(lib, "llama_progress_callback")
