@@ -33,6 +33,7 @@ from twinfer.runtime.errors import ModelError, RequestError
 
 ROLES = ("system", "user", "assistant", "tool")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_MEDIA = {"image", "video", "audio"}  # a word of a media part's type
 
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}"
@@ -137,6 +138,10 @@ def _content_text(where: str, content: Any) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if isinstance(kind, str) and _MEDIA & set(kind.split("_")):  # image_url, input_image, input_audio...
+                raise RequestError(f"{where}.content[{j}] has type {kind!r}: images, audio and video are not "
+                                   "supported yet (twinfer runs the text model of multimodal checkpoints); send "
+                                   "text parts")
             raise RequestError(f"{where}.content[{j}] has type {kind!r}; only text parts are supported")
         if not isinstance(part.get("text"), str):
             raise RequestError(f"{where}.content[{j}].text must be a string")
