@@ -213,9 +213,13 @@ def serve(
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds SIGTERM waits for in-flight requests.")] = 30.0,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body accepted (413 above).")] = 4.0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
-    loop_guard: Annotated[bool, typer.Option("--loop-guard/--no-loop-guard",
-                                             help="Cut generations that repeat a token 4+ times (finish_reason 'loop'); "
-                                                  "never a request with ignore_eos.")] = True,
+    repetition_guard: Annotated[str, typer.Option(
+        "--repetition-guard", metavar="[on|off]",
+        help="The default of the loop guard, which cuts a generation that repeats itself verbatim (finish_reason "
+        "'loop'; thresholds in docs/guard.md); a request's repetition_guard field overrides it, and it is off for "
+        "a request with ignore_eos.")] = "on",
+    loop_guard: Annotated[bool, typer.Option("--loop-guard/--no-loop-guard", hidden=True,
+                                             help="The same as --repetition-guard on/off.")] = True,
     guard_retries: Annotated[int, typer.Option("--guard-retries", help="Retry a looping request with a fresh seed this many times.")] = 0,
     speculate: SpeculateOpt = "off",
     tp: TpOpt = 1,
@@ -249,7 +253,7 @@ def serve(
               drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
               budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events,
               replica_name=replica_name, kv_connector=(kv_connector, kv_host), max_batch_tokens=max_batch_tokens,
-              kv_layout=kv_layout, batch_wait_ms=batch_wait_ms)
+              kv_layout=kv_layout, batch_wait_ms=batch_wait_ms, repetition_guard=repetition_guard)
 
 @app.command()
 def cluster(

@@ -25,7 +25,7 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
               parallel: tuple[int, int, int] = (1, 1, 1), budget: tuple[str | None, bool] = (None, False),
               batch_invariant: bool = False, kv_events: str | None = None, replica_name: str | None = None,
               kv_connector: tuple[str | None, str] = (None, "127.0.0.1"), max_batch_tokens: int | None = None,
-              kv_layout: str = "auto", batch_wait_ms: float | None = None) -> None:
+              kv_layout: str = "auto", batch_wait_ms: float | None = None, repetition_guard: str = "on") -> None:
     from twinfer.app import OpenOptions
     from twinfer.runtime.engine import GuardConfig
     from twinfer.server import create_app
@@ -49,9 +49,9 @@ def run_serve(model: str | None, host: str, port: int, api_key: str | None, back
     # compute thread mid-step, where a spinning pool (ggml, OpenMP) would stall at its next barrier.
     name = served_model_name or model_name(model)
     aliases = tuple(a for a in (model,) if a and a != name)
-    if guard_retries < 0:
-        raise TwinferError("--guard-retries must be >= 0")
-    guard = GuardConfig(enabled=loop_guard, retries=guard_retries)
+    if guard_retries < 0 or repetition_guard not in ("on", "off"):
+        raise TwinferError("--guard-retries must be >= 0 and --repetition-guard on or off")
+    guard = GuardConfig(enabled=loop_guard and repetition_guard == "on", retries=guard_retries)
     app = create_app(None, None, name, api_key=api_key or None, aliases=aliases,
                      max_body_bytes=int(max_body_mb * 1024 * 1024), guard=guard)
     state = app.state.twinfer

@@ -59,6 +59,7 @@ class MessagesRequest(_Body):
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": {...}}}
+    repetition_guard: bool | dict[str, Any] | None = None  # twinfer's: the loop guard
 
 
 class CountTokensRequest(_Body):
@@ -174,7 +175,8 @@ async def messages(state: ServerState, request: Request, body: MessagesRequest) 
     constraint = _output_format(body.output_config)
     plan = tool_plan(tools, choice, parallel, tokenizer, constraint)
     ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
-    knobs = Knobs(body.max_tokens, body.temperature, body.top_p, body.top_k, list(body.stop_sequences or []))
+    knobs = Knobs(body.max_tokens, body.temperature, body.top_p, body.top_k, list(body.stop_sequences or []),
+                  repetition_guard=body.repetition_guard)
     params = prompts.sampling_params(knobs, len(ids), engine.max_context, engine.vocab_size, state.guard,
                                      plan.constraint or constraint)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"

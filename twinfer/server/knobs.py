@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Knobs:
     stop_token_ids: list[int] | None = None
     num_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_guard: bool | dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:
         return list(self.stop)

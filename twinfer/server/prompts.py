@@ -90,6 +90,31 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
     return tuple(sorted(out))
 
 
+GUARD_FIELDS = ("max_period", "min_copies", "text_copies", "text_chars", "blank_chars", "filler_chars")
+
+
+def repetition_guard(default: GuardConfig, asked: bool | dict[str, Any] | None) -> GuardConfig:
+    """A request's `repetition_guard` over the server's default: absent keeps it, true/false turns the
+    guard on/off, an object sets thresholds (and turns it on unless it says `"enabled": false`)."""
+    if asked is None:
+        return default
+    if isinstance(asked, bool):
+        return replace(default, enabled=asked)
+    bad = next((k for k in asked if k not in ("enabled", *GUARD_FIELDS)), None)
+    if bad is not None:
+        raise APIError(400, f"repetition_guard has no field {bad!r}; use enabled, {', '.join(GUARD_FIELDS)}",
+                       param="repetition_guard")
+    enabled = asked.get("enabled", True)
+    values = {k: asked[k] for k in GUARD_FIELDS if k in asked}
+    if not isinstance(enabled, bool) or any(type(v) is not int for v in values.values()):
+        raise APIError(400, "repetition_guard.enabled is a boolean and its thresholds are integers",
+                       param="repetition_guard")
+    try:
+        return replace(default, enabled=enabled, **values)
+    except RequestError as e:
+        raise APIError(400, str(e).replace("guard ", "repetition_guard.", 1), param="repetition_guard") from e
+
+
 def scores_prompt_only(req: Any) -> bool:
     """A completions request with echo and max_tokens 0: it returns the prompt (and its logprobs) only."""
     return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
@@ -130,10 +155,12 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
-    if req.ignore_eos:
+    asked = getattr(req, "repetition_guard", None)
+    if req.ignore_eos and asked is None:
         # a client that ignores EOS asks for exactly max_tokens (benchmark traffic: vLLM's `bench serve`,
         # genai-perf); the loop guard would end those streams early, just as EOS would have
         guard = replace(guard, enabled=False)
+    guard = repetition_guard(guard, asked)
     temperature, top_p = req.temperature, req.top_p
     if top_p == 0.0 or temperature < GREEDY_BELOW:  # a nucleus of mass 0 is the most likely token, and
         temperature, top_p = 0.0, 1.0  # logits / 1e-300 overflow to NaN: both mean greedy (as in vLLM)

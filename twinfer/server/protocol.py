@@ -79,6 +79,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode hand-over (runtime/kv/connector.py)
+    repetition_guard: bool | dict[str, Any] | None = None  # twinfer's: the loop guard (prompts.repetition_guard)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -46,6 +46,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
+    repetition_guard: bool | dict[str, Any] | None = None  # twinfer's: the loop guard
 
 
 class _Format(BaseModel):
@@ -134,12 +135,13 @@ async def create(state: ServerState, request: Request, body: ResponsesRequest) -
     plan = tool_plan(_chat_tools(body.tools), _tool_choice(body.tool_choice), body.parallel_tool_calls, tokenizer,
                      constraint)
     ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
-    knobs = Knobs(body.max_output_tokens, body.temperature, body.top_p)
+    knobs = Knobs(body.max_output_tokens, body.temperature, body.top_p, repetition_guard=body.repetition_guard)
     params = prompts.sampling_params(knobs, len(ids), engine.max_context, engine.vocab_size, state.guard,
                                      plan.constraint or constraint)
     response_id = f"resp_{uuid.uuid4().hex}"
     choices = await submit(engine, ids, params, 1, response_id, 0)
     f = Follower(response_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())
+    f.cancel = choices[0].cancel
     if body.stream:
         return StreamingResponse(_events(request, choices, f, body), media_type="text/event-stream",
                                  headers=SSE_HEADERS)

@@ -24,7 +24,7 @@ from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.constraints.compile import Grammars
 from twinfer.runtime.constraints.mask import guide_for
 from twinfer.runtime.engine.bill import charge_request, charge_step
-from twinfer.runtime.engine.guard import LoopGuard
+from twinfer.runtime.engine.guard import LoopGuard, bounded_by_grammar, token_text
 from twinfer.runtime.engine.metrics import EngineMetrics
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
@@ -89,7 +89,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live requests, and the last `keep_finished` finished ones
         self._finished: deque[Request] = deque()
         self.metrics = EngineMetrics(speculator=self.speculator)
-        self.guard = LoopGuard(self._piece)
+        self.guard = LoopGuard(token_text(tokenizer))
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.eos_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
@@ -353,7 +353,7 @@ class Engine:
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             request.output.pop()  # stop tokens are not part of the text
             return "stop"
-        if self.guard.check(request.output, p.guard):
+        if self.guard.check(request.output, p.guard) and not bounded_by_grammar(request.row.guide):
             self.guard.trips += 1
             self.metrics.guard_trips += 1
             return "retry" if request.retries < p.guard.retries else "loop"
@@ -447,8 +447,3 @@ class Engine:
         """Drop a finished request from `requests` (unless its id now names a newer request)."""
         if self.requests.get(request.request_id) is request:
             del self.requests[request.request_id]
-
-    def _piece(self, token: int) -> str:
-        if self.tokenizer is None:
-            return "x"
-        return str(self.tokenizer.decode([token]))

@@ -11,28 +11,40 @@ from twinfer.runtime.errors import RequestError
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Token-loop guard settings (on by default; see engine/guard.py).
+    """Token-loop guard settings (on by default; engine/guard.py says what a loop is, docs/guard.md
+    how the defaults were measured: each is about twice the longest verbatim repeat of its kind in
+    the Python standard library, Markdown, numbers, tables and JSON).
 
-    `max_repeats`: the same non-exempt token this many times in a row cuts generation.
-    `cycle_period`/`cycle_repeats`: an n-gram of period 2..cycle_period seen cycle_repeats times in a
-    row at the tail is a loop too (0 turns cycle detection off).
-    `retries`: re-run a looping request up to this many times with a fresh seed before giving up.
+    A unit of 1..`max_period` tokens repeated back to back at the tail, at least `min_copies` times,
+    is a loop once it covers: `text_copies` copies or `text_chars` characters when its text holds a
+    word; `blank_chars` characters when it is whitespace; `filler_chars` characters otherwise
+    (digits, hex, punctuation, one repeated character). `retries`: re-run a looping request up to
+    this many times with a fresh seed before giving up.
     """
 
     enabled: bool = True
-    max_repeats: int = 4
-    cycle_period: int = 8
-    cycle_repeats: int = 4
+    max_period: int = 64
+    min_copies: int = 4
+    text_copies: int = 64
+    text_chars: int = 1024
+    blank_chars: int = 512
+    filler_chars: int = 8192
     retries: int = 0
     retry_temperature: float = 0.7  # a greedy request would loop identically, so its retries sample
 
     def __post_init__(self) -> None:
-        if self.max_repeats < 2:
-            raise RequestError(f"guard max_repeats must be at least 2, got {self.max_repeats}")
-        if self.cycle_period < 0 or self.cycle_repeats < 2:
-            raise RequestError("guard cycle_period must be >= 0 and cycle_repeats >= 2")
-        if self.retries < 0:
-            raise RequestError(f"guard retries must be >= 0, got {self.retries}")
+        checks = [
+            (1 <= self.max_period <= 1024, f"guard max_period must be in [1, 1024], got {self.max_period}"),
+            (self.min_copies >= 2, f"guard min_copies must be at least 2, got {self.min_copies}"),
+            (self.text_copies >= 2, f"guard text_copies must be at least 2, got {self.text_copies}"),
+            (min(self.text_chars, self.blank_chars, self.filler_chars) >= 2,
+             "guard text_chars, blank_chars and filler_chars must be at least 2"),
+            (self.retries >= 0, f"guard retries must be >= 0, got {self.retries}"),
+            (0.0 <= self.retry_temperature <= 100.0, f"guard retry_temperature must be in [0, 100], got {self.retry_temperature}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
 
 
 @dataclass(frozen=True)
