@@ -375,3 +375,36 @@ def test_gguf_engine_text_two_concurrent_equals_alone(root: str) -> None:
             with pytest.raises(TwinferError, match="speculative decoding is off"):
                 Engine(opened.runner, opened.tokenizer, EngineConfig(max_seqs=2), proposer=NgramProposer())
     assert texts["llamacpp"] == texts["torch"] and all(t.strip() for t in texts["torch"]), texts
+
+
+# -- the planner ----------------------------------------------------------------------------------
+def test_catalog_counts_state_per_sequence() -> None:
+    from twinfer.planners.catalog import find
+    from twinfer.planners.cost import kv_shard
+    from twinfer.planners.hardware import Cluster
+    from twinfer.planners.hw_table import DEVICES
+    from twinfer.planners.memory import memory_for
+    from twinfer.planners.plan import make_plan
+    from twinfer.planners.search import Request
+
+    entry = find("qwen3-next-80b-a3b")
+    spec = entry.spec
+    # 36 delta-net layers: conv 3 x 8192 channels x 2 bytes + fp32 state 32 heads x 128 x 128 x 4 bytes
+    assert spec.state_bytes_per_seq() == 36 * (3 * 8192 * 2 + 32 * 128 * 128 * 4) == 77_266_944
+    assert spec.kv_bytes_per_token(2) == 12 * 2 * 2 * 256 * 2 == 24576  # only the 12 full layers hold KV
+    assert abs(entry.profile().total_params / 1e9 - 79.67) < 0.01  # the published 80B
+    assert abs(find("qwen3.5-397b-a17b").profile().total_params / 1e9 - 396.35) < 0.01
+    assert abs(find("qwen3.5-35b-a3b").profile().total_params / 1e9 - 34.66) < 0.01
+
+    cluster = Cluster(DEVICES["h200"], 2)
+    plan = make_plan(entry.profile(), cluster, Request(4096, 1, "auto", "bf16"))
+    assert plan.fits
+
+    def kv(context: int, seqs: int) -> float:
+        """KV and state bytes of `seqs` sequences on one replica (all its shards), under the plan's strategy."""
+        s = plan.chosen.strategy
+        return memory_for(entry.profile(), cluster, s, seqs * s.dp, context).kv * kv_shard(entry.profile(), s)
+
+    # doubling the context adds tokens' KV only; a second sequence adds its state once more
+    assert kv(8192, 1) - kv(4096, 1) == pytest.approx(4096 * 24576, rel=1e-9)
+    assert kv(4096, 2) - kv(4096, 1) == pytest.approx(4096 * 24576 + 77_266_944, rel=1e-9)

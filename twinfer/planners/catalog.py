@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from twinfer.planners.hardware import normalize
 from twinfer.planners.model import ModelProfile, profile_from_spec
 from twinfer.runtime.errors import PlanError
-from twinfer.runtime.spec import FULL, SIGMOID, SLIDING, DSASpec, MLASpec, ModelSpec, MoESpec
+from twinfer.runtime.spec import FULL, SIGMOID, SLIDING, DSASpec, LinearAttnSpec, MLASpec, ModelSpec, MoESpec
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,21 @@ def _minimax_m2(name: str, repo: str) -> Entry:
     return Entry(name, spec, repo, native="fp8")
 
 
+def _qwen_hybrid(name: str, repo: str, model_type: str, d: int, L: int, h: int, experts: int, top_k: int,
+                 moe_inter: int, v_heads: int, vocab: int) -> Entry:
+    """Qwen3-Next / Qwen3.5 MoE: three gated delta-net layers then one gated full-attention layer, 2 KV heads of
+    256 (a quarter rotated), 16 delta-net key heads of 128, experts plus one shared expert of their width."""
+    spec = ModelSpec(model_type=model_type, name=name, vocab_size=vocab, hidden_size=d, num_layers=L, num_heads=h,
+                     num_kv_heads=2, head_dim=256, intermediate_size=moe_inter, max_position=262144, rope_theta=1e7,
+                     partial_rotary_factor=0.25, qk_norm=True,
+                     layer_types=tuple(FULL if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)),
+                     linear_attn=LinearAttnSpec(num_k_heads=16, num_v_heads=v_heads, head_k_dim=128, head_v_dim=128,
+                                                conv_kernel=4),
+                     moe=MoESpec(num_experts=experts, top_k=top_k, expert_intermediate_size=moe_inter,
+                                 num_shared_experts=1, shared_intermediate_size=moe_inter))
+    return Entry(name, spec, repo)
+
+
 def _gpt_oss(name: str, L: int, experts: int) -> Entry:
     spec = ModelSpec(model_type="gpt_oss", name=name, vocab_size=201088, hidden_size=2880, num_layers=L,
                      num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880, max_position=131072,
@@ -163,6 +178,10 @@ ENTRIES: list[Entry] = [
     _qwen3("qwen3-32b", 5120, 64, 64, 8, 25600, tied=False),
     _qwen3_moe("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 2048, 48, 32, 6144, 768),
     _qwen3_moe("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", 4096, 94, 64, 12288, 1536),
+    _qwen_hybrid("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 2048, 48, 16, 512, 10, 512,
+                 32, 151936),
+    _qwen_hybrid("qwen3.5-397b-a17b", "Qwen/Qwen3.5-397B-A17B", "qwen3_5_moe", 4096, 60, 32, 512, 10, 1024, 64, 248320),
+    _qwen_hybrid("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe", 2048, 40, 16, 256, 8, 512, 32, 248320),
     _deepseek("deepseek-v3", "deepseek-ai/DeepSeek-V3", 128, 256, 3, 129280, 163840),
     _deepseek("deepseek-r1", "deepseek-ai/DeepSeek-R1", 128, 256, 3, 129280, 163840),
     _deepseek("kimi-k2", "moonshotai/Kimi-K2-Instruct", 64, 384, 1, 163840, 131072),

@@ -79,7 +79,8 @@ def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency
     resident = (weights - streamed) / shard
     seqs = math.ceil(max(1, concurrency) / s.dp)
     kv_tok = kv_alloc_per_token(profile, s, context)
-    kv = seqs * kv_tok * context / kv_shard(profile, s)
+    state = profile.spec.state_bytes_per_seq()  # linear-attention layers: a fixed state per sequence, not per token
+    kv = seqs * (kv_tok * context + state) / kv_shard(profile, s)
     dev = cluster.device
     overhead = 0.15e9 if dev.kind in (APPLE, CPU) else RUNTIME_OVERHEAD.get(s.engine, 1.0e9)
     return Memory(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from twinfer.planners.formats import COMPONENTS, FORMATS, LOSSLESS, Mix, written_format
 from twinfer.runtime.errors import PlanError
-from twinfer.runtime.spec import FULL, SLIDING, ModelSpec, MoESpec
+from twinfer.runtime.spec import FULL, LINEAR, SLIDING, ModelSpec, MoESpec
 
 ROUTING_LOCALITY = 0.8
 
@@ -240,6 +240,18 @@ def _attention_params(s: ModelSpec) -> tuple[float, float, float]:
     return q + kv + bias, kv, o
 
 
+def _linear_attention(s: ModelSpec, counts: dict[str, float], full: tuple[float, float, float]) -> None:
+    """Trade each LINEAR layer's attention weights for its delta net's (q/k/v, a, b, conv and decay in attn,
+    the gate z in attn_v, the output in attn_out); full layers' q_proj is twice as wide (their output gate)."""
+    la, d = s.linear_attn, s.hidden_size
+    assert la is not None
+    linear = s.attention_types.count(LINEAR)
+    counts["attn"] += linear * (d * (la.conv_dim + 2 * la.num_v_heads) + la.conv_dim * la.conv_kernel
+                                + 2 * la.num_v_heads - full[0]) + (s.num_layers - linear) * d * s.q_size
+    counts["attn_v"] += linear * (d * la.value_dim - full[1])
+    counts["attn_out"] += linear * (la.value_dim * d - full[2])
+
+
 def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", source: str = "catalog",
                       notes: tuple[str, ...] = ()) -> ModelProfile:
     """Count a spec's weights per component (norm and bias vectors included, rotary tables not)."""
@@ -249,12 +261,14 @@ def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", sou
     counts["embed"] = spec.vocab_size * d
     counts["lm_head"] = 0.0 if spec.tie_word_embeddings else spec.vocab_size * d
     counts["attn"] = attn * L
+    if spec.linear_attn is not None:  # gated delta-net layers replace attention (qwen3_next, qwen3_5_moe)
+        _linear_attention(spec, counts, (attn, attn_v, attn_out))
     if spec.dsa is not None and spec.mla is not None and spec.mla.q_lora_rank:  # sparse attention's indexers
         dsa = spec.dsa  # q from the q latent, a key with its LayerNorm, per-head weights
         per = dsa.n_heads * dsa.head_dim * spec.mla.q_lora_rank + (d + 2) * dsa.head_dim + dsa.n_heads * d
         counts["attn"] += per * sum(map(dsa.has_indexer, range(L)))
-    counts["attn_v"] = attn_v * L
-    counts["attn_out"] = attn_out * L
+    counts["attn_v"] += attn_v * L
+    counts["attn_out"] += attn_out * L
     counts["norm"] = (2 * d + (2 * spec.head_dim if spec.qk_norm else 0)) * L + d
     moe = spec.moe
     for layer in range(L):
