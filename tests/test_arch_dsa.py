@@ -242,6 +242,28 @@ def test_prefix_reuse_and_preemption_keep_greedy_text() -> None:
     assert tight.scheduler.preemptions > 0, "the pool was meant to force preemption"
 
 
+@pytest.mark.parametrize(("case", "tp", "pp"), [
+    ("glm_moe_dsa-b", 2, 1), pytest.param("deepseek_v32-a", 2, 1, marks=pytest.mark.slow),
+    pytest.param("deepseek_v32-a", 1, 2, marks=pytest.mark.slow)])  # fmt: skip
+def test_parallel_matches_single_process(case: str, tp: int, pp: int) -> None:
+    """Tensor parallelism splits the MLA heads and replicates the indexer (every rank picks for all its
+    heads); a pipeline keeps each stage's indexer keys. Over gloo, within 1e-5 of one process."""
+    from test_parallel import KV_TOKENS, workload
+
+    from twinfer.backends.cuda.parallel import ParallelConfig, RunOptions, WeightSource, launch
+    from twinfer.backends.cuda.runner import load_torch_runner
+
+    folder = saved(case)
+    want_rows, want_tokens = workload(load_torch_runner(load_model(folder), kv_tokens=KV_TOKENS, block_size=BLOCK))
+    runner = launch(WeightSource(path=str(folder)), ParallelConfig(tp=tp, pp=pp),
+                    RunOptions(kv_tokens=KV_TOKENS, block_size=BLOCK, timeout_s=180))
+    try:
+        got_rows, got_tokens = workload(runner)
+    finally:
+        runner.close()
+    assert np.abs(got_rows - want_rows).max() <= 1e-5 and got_tokens == want_tokens
+
+
 @pytest.mark.parametrize(("key", "value"), [
     ("mlp_layer_types", ["sparse", "sparse", "sparse"]), ("indexer_types", ["full", "sparse", "full"]),
     ("layer_types", ["full_attention"] * 3)])  # fmt: skip

@@ -178,3 +178,11 @@ class Ops(Protocol):
     def to_host(self, x: Array) -> Any:
         """Copy to a numpy float32 array; the one place a step waits for the device."""
         ...
+
+
+def selected(step_cache: dict[Any, Any], layer: int, selection: int) -> Any:
+    """For backends: the token choice `indexer_topk` kept in a step's cache at layer `selection`."""
+    if ("selection", selection) not in step_cache:
+        raise ValueError(f"layer {layer} attends to the tokens layer {selection}'s indexer chose, which this "
+                         "process did not run this step (a pipeline stage boundary between the two layers)")
+    return step_cache[("selection", selection)]

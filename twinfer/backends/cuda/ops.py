@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from twinfer.quant.linear import QuantizedExperts, QuantizedWeight
 from twinfer.runtime.batch import StepBatch
-from twinfer.runtime.ops import ExpertExtras
+from twinfer.runtime.ops import ExpertExtras, selected
 from twinfer.runtime.rope import attention_factor, inv_freq
 from twinfer.runtime.spec import LINEAR, SIGMOID, ModelSpec, MoESpec
 
@@ -316,7 +316,7 @@ class TorchOps:
         V = K[..., : self.spec.mla.kv_lora_rank]  # [B, 1, L, R]
         mask = self._mask(ctx, self.spec.window(layer))
         if selection is not None:  # sparse attention: only the tokens the indexer chose
-            mask = mask & ctx.cache[("selection", selection)]
+            mask = mask & selected(ctx.cache, layer, selection)
         B, H, Tq, _ = Q.shape
         if Tq == 1:  # decode: every head attends to the one latent head, so fold the heads into query rows
             # (SDPA's enable_gqa would expand K/V to all H heads: 128 copies of the latent cache at batch 64)

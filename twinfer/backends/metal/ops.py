@@ -21,7 +21,7 @@ import numpy as np
 
 from twinfer.quant.linear import QuantizedExperts, QuantizedWeight
 from twinfer.runtime.batch import StepBatch
-from twinfer.runtime.ops import ExpertExtras
+from twinfer.runtime.ops import ExpertExtras, selected
 from twinfer.runtime.rope import attention_factor, inv_freq
 from twinfer.runtime.spec import LINEAR, SIGMOID, ModelSpec, MoESpec
 
@@ -96,6 +96,10 @@ class MlxOps:
         if spec.mla is None and self.k_cache:  # each layer's own shape; a layer reading another's KV holds none
             self.k_cache = [mx.zeros(_kv_shape(spec, i, c.shape[0]), dtype=self.dtype) for i, c in enumerate(self.k_cache)]
             self.v_cache = [mx.zeros(_kv_shape(spec, i, c.shape[0]), dtype=self.dtype) for i, c in enumerate(self.v_cache)]
+        if spec.dsa is not None and self.v_cache:  # sparse attention: the indexer's key per token, in the values' place
+            dsa = spec.dsa
+            self.v_cache = [mx.zeros((slots, 1, dsa.head_dim), dtype=self.dtype) if dsa.has_indexer(i) else c
+                            for i, c in enumerate(self.v_cache)]
         self._inv_freq = [mx.array(inv_freq(spec, i)) for i in range(spec.num_layers)]
         self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
         self._gather_mm_f32 = mx.default_device().type == mx.cpu
@@ -282,7 +286,7 @@ class MlxOps:
         scores = (Q @ K.swapaxes(-1, -2)) * self.spec.attention_scale  # [B, H, Tq, L]
         mask = self._mask(ctx, self.spec.window(layer))
         if selection is not None:  # sparse attention: only the tokens the indexer chose
-            mask = mask & ctx.cache[("selection", selection)]
+            mask = mask & selected(ctx.cache, layer, selection)
         scores = mx.where(mask, scores, -mx.inf)
         out = mx.softmax(scores, axis=-1, precise=True) @ K[..., :R]  # [B, H, Tq, R]
         out = out.transpose(0, 2, 1, 3).reshape(B * Tq, H, R)

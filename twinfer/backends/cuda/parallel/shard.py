@@ -33,7 +33,9 @@ REPLICATED, COLUMN, ROW, VOCAB, EXPERTS, NORM = "replicated", "column", "row", "
 _REPLICATED = {"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "router",
                "router_bias", "router_score_bias", "o_bias",
                # MLA's low-rank down-projections and their norms: every rank needs the whole latent
-               "q_a", "q_a_bias", "q_a_norm", "kv_a", "kv_a_bias", "kv_a_norm"}
+               "q_a", "q_a_bias", "q_a_norm", "kv_a", "kv_a_bias", "kv_a_norm",
+               # sparse attention's indexer: every rank picks the tokens for all its heads
+               "indexer.q", "indexer.k", "indexer.k_norm", "indexer.k_norm_bias", "indexer.weights"}
 
 
 @dataclass(frozen=True)
