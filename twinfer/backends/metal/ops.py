@@ -96,10 +96,6 @@ class MlxOps:
         if spec.mla is None and self.k_cache:  # each layer's own shape; a layer reading another's KV holds none
             self.k_cache = [mx.zeros(_kv_shape(spec, i, c.shape[0]), dtype=self.dtype) for i, c in enumerate(self.k_cache)]
             self.v_cache = [mx.zeros(_kv_shape(spec, i, c.shape[0]), dtype=self.dtype) for i, c in enumerate(self.v_cache)]
-        if spec.dsa is not None and self.v_cache:  # sparse attention: the indexer's key per token, in the values' place
-            dsa = spec.dsa
-            self.v_cache = [mx.zeros((slots, 1, dsa.head_dim), dtype=self.dtype) if dsa.has_indexer(i) else c
-                            for i, c in enumerate(self.v_cache)]
         self._inv_freq = [mx.array(inv_freq(spec, i)) for i in range(spec.num_layers)]
         self._rope_factor = [attention_factor(spec, i) for i in range(spec.num_layers)]
         self._gather_mm_f32 = mx.default_device().type == mx.cpu
