@@ -28,33 +28,6 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
-class DSASpec:
-    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over MLA: a lightning indexer of `n_heads`
-    heads of `head_dim` scores each query's visible tokens, and attention reads only the `top_k` best.
-
-    Every layer that runs an indexer caches its key (`head_dim` numbers per token) beside the latent.
-    `indexers` marks those layers (empty: all); a layer without one reuses the selection of the last
-    layer before it that has one (GLM-5's shared layers).
-    """
-
-    n_heads: int
-    head_dim: int
-    top_k: int
-    indexers: tuple[bool, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.indexers and not self.indexers[0]:
-            raise ModelError("sparse attention: layer 0 must run its own indexer (a shared layer reuses an earlier one's)")
-
-    def has_indexer(self, layer: int) -> bool:
-        return not self.indexers or self.indexers[layer]
-
-    def source(self, layer: int) -> int:
-        """The layer whose selection `layer` attends through: itself, or the last indexer before it."""
-        return max(i for i in range(layer + 1) if self.has_indexer(i))
-
-
-@dataclass(frozen=True)
 class LinearAttnSpec:
     """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): a short causal depthwise convolution over the
     projected q/k/v, then the gated delta rule, whose state per sequence is a [Hv, Dk, Dv] matrix.
