@@ -28,13 +28,13 @@ from twinfer.app.models import open_model  # noqa: E402
 from twinfer.app.runners import RUNNERS  # noqa: E402
 from twinfer.quant.fidelity import RunnerSource  # noqa: E402
 from twinfer.quant.kl import log_softmax  # noqa: E402
-from twinfer.quant.remote import measure_remote_kl  # noqa: E402
+from twinfer.quant.remote import RemoteOptions, measure_remote_kl  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine  # noqa: E402
 from twinfer.runtime.errors import TwinferError  # noqa: E402
+from twinfer.runtime.tokenizer import load_tokenizer  # noqa: E402
 from twinfer.server import create_app  # noqa: E402
 from twinfer.server.serve import ServerThread  # noqa: E402
-from twinfer.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 TOKENS, WINDOW = 32, 33  # one window: BOS + 32 tokens, 32 scored rows
 NAME = "gemma-3-270m-q4_k_m"
@@ -265,7 +265,7 @@ def test_tokenizer_mismatch_is_refused_before_scoring(stub: Callable[..., Stub])
 def test_429_is_retried_with_bounded_backoff_then_explained(stub: Callable[..., Stub]) -> None:
     s = stub({"/v1/models": lambda body: (429, {"error": {"message": "slow down"}}, {"retry-after-ms": "10"})})
     with pytest.raises(TwinferError, match=r"answered 429 \(rate limited\) 3 times"):
-        measure_remote_kl(None, "llamacpp", s.url, "prose", 16, 16, runners=RUNNERS, retries=2)
+        measure_remote_kl(None, "llamacpp", s.url, "prose", 16, 16, runners=RUNNERS, options=RemoteOptions(retries=2))
     assert s.hits == 3
 
 

@@ -51,3 +51,62 @@ def test_faces_reach_runners_only_through_open_session() -> None:
     assert {m: names for m, names in seen.items() if names} == {}
     assert any("open_session" in _called(tree) for m, tree in _modules() if m == "twinfer/cli/serve_cmd.py")
 
+
+# -- functions that want an options object ----------------------------------------------------------
+MANY = 10  # parameters (self and cls not counted) at which a function wants an object (STYLE.md, rule 18)
+# Still taking ten or more, each to become an options object or a keyword-built row: device kernels'
+# launch wrappers and MoE helpers (backends, runtime/experts.py), hardware and catalog table rows
+# (planners), the Responses stream state (server). The list may only shrink.
+PENDING = {
+    "twinfer/backends/cuda/experts.py:_expert_out", "twinfer/backends/cuda/kernels/fused_moe.py:fused_moe",
+    "twinfer/backends/cuda/kernels/paged_attention.py:paged_decode_attention",
+    "twinfer/backends/cuda/ops.py:experts", "twinfer/backends/cuda/parallel/dispatch.py:all_to_all_moe",
+    "twinfer/backends/cuda/recurrent.py:gated_delta", "twinfer/backends/cuda/runner.py:build_torch_runner",
+    "twinfer/backends/metal/experts.py:_expert_out", "twinfer/backends/metal/recurrent.py:gated_delta",
+    "twinfer/planners/catalog.py:_gemma3", "twinfer/planners/catalog.py:_llama",
+    "twinfer/planners/catalog.py:_qwen_hybrid", "twinfer/planners/hw_table.py:_gpu",
+    "twinfer/planners/hw_table_gpus.py:_gf", "twinfer/planners/hw_table_gpus.py:_laptop",
+    "twinfer/planners/hw_table_gpus.py:nv_row", "twinfer/runtime/experts.py:_expert_out",
+    "twinfer/server/responses.py:__init__",
+}
+
+
+def _decorated(node: ast.FunctionDef | ast.AsyncFunctionDef, attr: str) -> bool:
+    """Decorated with `x.<attr>` or `x.<attr>(...)` (typer's `app.command()`, triton's `triton.jit`)."""
+    for d in node.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if isinstance(target, ast.Attribute) and target.attr == attr:
+            return True
+    return False
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def many_parameter_functions() -> tuple[list[str], list[str]]:
+    """(`module:function` of every function with MANY or more parameters, the typer commands among them).
+
+    Excepted: triton kernels, whose parameters are what a launch passes (pointers, strides, constexprs;
+    triton takes no objects)."""
+    found, commands = [], []
+    for module, tree in _modules():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or _parameters(node) < MANY:
+                continue
+            if _decorated(node, "jit"):
+                continue
+            name = f"{module}:{node.name}"
+            is_command = module.startswith("twinfer/cli/") and _decorated(node, "command")
+            (commands if is_command else found).append(name)
+    return sorted(found), sorted(commands)
+
+
+def test_no_function_takes_ten_parameters() -> None:
+    """A command's flags become one options object built once; everything a typer command calls takes it.
+    The typer commands themselves take one parameter per flag (typer reads the signature)."""
+    found, commands = many_parameter_functions()
+    assert [f for f in found if f not in PENDING] == []
+    assert commands and all(c.startswith("twinfer/cli/main.py:") for c in commands)

@@ -91,10 +91,9 @@ def test_cpu_description_plans_on_the_local_target() -> None:
 
 def test_plan_and_hw_commands_take_a_description(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from twinfer.cli.hw_cmd import run_hw
-    from twinfer.cli.plan_cmd import run_plan
+    from twinfer.cli.plan_cmd import PlanOptions, run_plan
 
-    run_plan("llama-3.1-8b", INLINE, None, None, "auto", "auto", 4096, 1, None, None, None, None, None, None, None,
-             True, False)
+    run_plan(PlanOptions("llama-3.1-8b", INLINE, context=4096, json_out=True))
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["hardware"]["bandwidth_gbs"] == 1008 and plan["target"] == "local"
     path = tmp_path / "card.json"

@@ -9,7 +9,7 @@ import pytest
 
 from twinfer.app.runners import RUNNERS
 from twinfer.quant.kl import kl_rows
-from twinfer.quant.prune import measure_influence, prune_model, rank_layers_by_kl
+from twinfer.quant.prune import PruneOptions, measure_influence, prune_model, rank_layers_by_kl
 from twinfer.quant.prune_write import write_pruned_gguf, write_pruned_hf
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.errors import TwinferError
@@ -134,7 +134,7 @@ def test_expert_routing_mass_ranks_experts(tmp_path: Path) -> None:
 
 
 def test_prune_default_model_runs_on_every_backend(tmp_path: Path, default_model: Path) -> None:
-    result = prune_model(str(default_model), str(tmp_path), layers=2, tokens=48, window=48, kl_tokens=47,
+    result = prune_model(str(default_model), str(tmp_path), PruneOptions(layers=2, tokens=48, window=48, kl_tokens=47),
                          runners=RUNNERS)
     assert len(result.removed_layers) == 2 and len(result.kept_layers) == 16
     assert result.kl is not None and 0.0 < result.kl.mean_kl < 5.0

@@ -16,7 +16,7 @@ from test_quant_backends import tiny_gemma  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from twinfer.cli.main import app  # noqa: E402
-from twinfer.cli.quantize_cmd import quantize, verify_folder  # noqa: E402
+from twinfer.cli.quantize_cmd import QuantizeOptions, quantize, verify_folder  # noqa: E402
 from twinfer.quant.registry import FORMATS  # noqa: E402
 from twinfer.quant.search import FormatSearch, KLStats  # noqa: E402
 from twinfer.runtime.loaders import load_model  # noqa: E402
@@ -42,7 +42,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_uniform_quantize_writes_a_measured_folder(tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "q"
-    s = quantize(str(tiny), out, 3.2, ["tq2", "tq3", "tq4"], False, 64, "prose", "block")
+    s = quantize(str(tiny), out, QuantizeOptions(3.2, ("tq2", "tq3", "tq4"), False, 64, "prose", "block"))
     assert s["formats"] == {"tq3": 21} and s["bits_per_weight"] == pytest.approx(FORMATS["tq3"])
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
@@ -54,7 +54,7 @@ def test_uniform_quantize_writes_a_measured_folder(tiny: Path, tmp_path: Path) -
 
 def test_verify_warns_when_the_folder_regressed(tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "q"
-    quantize(str(tiny), out, 4.2, ["tq4"], False, 32, "prose", "block")
+    quantize(str(tiny), out, QuantizeOptions(4.2, ("tq4",), False, 32, "prose", "block"))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"]["verify"]["mean_kl"] /= 100  # as if the folder had been far better
     (out / "config.json").write_text(json.dumps(config))
@@ -63,7 +63,7 @@ def test_verify_warns_when_the_folder_regressed(tiny: Path, tmp_path: Path) -> N
 
 
 def test_searched_quantize_fits_the_budget(tiny: Path, tmp_path: Path) -> None:
-    s = quantize(str(tiny), tmp_path / "q", 3.0, ["tq2", "tq3", "tq4"], True, 48, "prose", "block")
+    s = quantize(str(tiny), tmp_path / "q", QuantizeOptions(3.0, ("tq2", "tq3", "tq4"), True, 48, "prose", "block"))
     assert s["bits_per_weight"] <= 3.0 + 1e-9
     assert len(s["formats"]) >= 2  # a budget between formats mixes them
     assert s["history"] and s["history"][-1][2] <= s["history"][0][2]  # measured moves never make it worse

@@ -218,8 +218,8 @@ def fit_budget(path: Path, loaded: LoadedModel, backend: str,
 
 def _pruned(path: Path, layers: int, backend: str) -> Path:
     from twinfer.app.runners import RUNNERS
-    from twinfer.quant.prune import prune_model
+    from twinfer.quant.prune import PruneOptions, prune_model
 
-    measure = "torch" if backend == "llamacpp" else backend
-    return Path(prune_model(str(path), str(cache_dir("pruned") / f"{path.stem}-minus{layers}-kl"), layers=layers,
-                            backend=measure, kl_tokens=0, rank="kl", runners=RUNNERS).out)
+    options = PruneOptions(layers=layers, backend="torch" if backend == "llamacpp" else backend, kl_tokens=0, rank="kl")
+    return Path(prune_model(str(path), str(cache_dir("pruned") / f"{path.stem}-minus{layers}-kl"), options,
+                            runners=RUNNERS).out)

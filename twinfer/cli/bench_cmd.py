@@ -3,52 +3,95 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from twinfer.runtime.errors import TwinferError
+from twinfer.runtime.errors import OptionError
+
+if TYPE_CHECKING:
+    from twinfer.app import OpenOptions
 
 
-def _levels(text: str) -> list[int]:
+def _levels(text: str) -> tuple[int, ...]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         levels = []
     if not levels or min(levels) < 1:
-        raise TwinferError(f"--concurrency {text!r}: give positive integers separated by commas, e.g. 1,4,16")
-    return levels
+        raise OptionError(f"--concurrency {text!r}: give positive integers separated by commas, e.g. 1,4,16",
+                          field="concurrency")
+    return tuple(levels)
 
 
-def run_bench_cmd(model: str | None, concurrency: str, prompt_tokens: int, output_tokens: int, shared_prefix: int,
-                  requests_per_client: int, corpus: str, backend: str, threads: int | None, url: str | None,
-                  api_key: str | None, json_out: bool, speculate: str = "off",
-                  max_batch_tokens: int | None = None) -> None:
-    from twinfer.runtime.speculative.options import parse_speculate
+@dataclass(frozen=True)
+class BenchOptions:
+    """`twinfer bench`'s flags: what to bench (a model in process, or a server at `url`) under which traffic."""
 
-    levels = _levels(concurrency)
-    if prompt_tokens < 2 or output_tokens < 1:
-        raise TwinferError("need --prompt-tokens >= 2 and --output-tokens >= 1")
-    if max_batch_tokens is not None and max_batch_tokens < 1:
-        raise TwinferError(f"--max-batch-tokens must be >= 1 (got {max_batch_tokens})")
-    if url and max_batch_tokens is not None:
-        raise TwinferError("--max-batch-tokens applies to in-process runs; start the server with "
-                           "`twinfer serve --max-batch-tokens`")
-    if url and parse_speculate(speculate)[0] != "off":
-        raise TwinferError("--speculate applies to in-process runs; start the server with `twinfer serve --speculate`")
-    if url:
+    model: str | None = None
+    concurrency: str = "1,4,16"  # comma-separated levels
+    prompt_tokens: int = 64
+    output_tokens: int = 64
+    shared_prefix: int = 0
+    requests_per_client: int = 2
+    corpus: str = "prose"
+    backend: str = "auto"
+    threads: int | None = None
+    url: str | None = None  # a running OpenAI-compatible server instead of a model in process
+    api_key: str | None = None
+    json_out: bool = False
+    speculate: str = "off"
+    max_batch_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        from twinfer.runtime.speculative.options import parse_speculate
+
+        _levels(self.concurrency)  # a bad --concurrency fails here
+        if self.prompt_tokens < 2 or self.output_tokens < 1:
+            raise OptionError("need --prompt-tokens >= 2 and --output-tokens >= 1",
+                              field="prompt_tokens" if self.prompt_tokens < 2 else "output_tokens")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise OptionError(f"--max-batch-tokens must be >= 1 (got {self.max_batch_tokens})",
+                              field="max_batch_tokens")
+        if self.url and self.max_batch_tokens is not None:
+            raise OptionError("--max-batch-tokens applies to in-process runs; start the server with "
+                              "`twinfer serve --max-batch-tokens`", field="max_batch_tokens")
+        if self.url and parse_speculate(self.speculate)[0] != "off":
+            raise OptionError("--speculate applies to in-process runs; start the server with "
+                              "`twinfer serve --speculate`", field="speculate")
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        return _levels(self.concurrency)
+
+    def open_options(self) -> OpenOptions:
+        """The in-process session: room for the busiest level's prompts and completions at once."""
+        from twinfer.app import OpenOptions
+
+        ctx = max(self.levels) * (self.prompt_tokens + self.output_tokens + 32) + 256
+        return OpenOptions(self.model, self.backend, max_seqs=max(self.levels), ctx=ctx, threads=self.threads,
+                           speculate=self.speculate)
+
+
+def run_bench_cmd(options: BenchOptions) -> None:
+    o = options
+    if o.url:
         from twinfer.server.http_bench import run_http_bench
 
-        report = run_http_bench(url, levels, prompt_tokens, output_tokens, api_key,
-                                requests_per_client=requests_per_client)
+        report = run_http_bench(o.url, list(o.levels), o.prompt_tokens, o.output_tokens, o.api_key,
+                                requests_per_client=o.requests_per_client)
     else:
-        from twinfer.app import OpenOptions, open_session
+        from twinfer.app import open_session
         from twinfer.app.bench import run_bench
 
-        ctx = max(levels) * (prompt_tokens + output_tokens + 32) + 256
-        session = open_session(OpenOptions(model, backend, max_seqs=max(levels), ctx=ctx, threads=threads,
-                                           speculate=speculate))
-        report = run_bench(session, levels, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
-                           max_batch_tokens)
+        session = open_session(o.open_options())
+        report = run_bench(session, list(o.levels), o.prompt_tokens, o.output_tokens, o.shared_prefix,
+                           o.requests_per_client, o.corpus, o.max_batch_tokens)
+    _print(report, o.json_out)
+
+
+def _print(report: dict[str, Any], json_out: bool) -> None:
     if json_out:
         typer.echo(json.dumps(report))
         return

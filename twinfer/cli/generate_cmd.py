@@ -3,34 +3,42 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
+from twinfer.app import OpenOptions
 from twinfer.runtime.engine import SamplingParams
 from twinfer.runtime.errors import RequestError
 
 
-def run_generate(model: str | None, prompt: str, max_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int | None, backend: str, chat: bool | None, threads: int | None,
-                 speculate: str = "off", parallel: tuple[int, int, int] = (1, 1, 1),
-                 budget: tuple[str | None, bool] = (None, False)) -> None:
-    from twinfer.app import OpenOptions, open_session
+@dataclass(frozen=True)
+class GenerateOptions:
+    """`twinfer generate`'s flags: the model to open, the prompt and how to sample it."""
 
-    if not prompt.strip():
-        raise RequestError("the prompt is empty: give the text to continue, e.g. twinfer generate 'Hello'")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    options = OpenOptions(model, backend, max_seqs=1, threads=threads, speculate=speculate, parallel=parallel,
-                          memory_budget=budget[0], allow_pruning=budget[1])
-    session = open_session(options)
+    open: OpenOptions
+    prompt: str
+    sampling: SamplingParams
+    chat: bool | None = None  # wrap the prompt in the chat template; None: for chat-tuned models only
+
+    def __post_init__(self) -> None:
+        if not self.prompt.strip():
+            raise RequestError("the prompt is empty: give the text to continue, e.g. twinfer generate 'Hello'",
+                               field="prompt")
+
+
+def run_generate(options: GenerateOptions) -> None:
+    from twinfer.app import open_session
+
+    session = open_session(options.open)
     if session.strategy is not None:  # --memory-budget: say what the planner chose
         print(f"twinfer: {session.strategy.summary()}", file=sys.stderr)
     tokenizer = session.opened.tokenizer
-    if chat is None:
-        chat = session.opened.instruct
+    chat = session.opened.instruct if options.chat is None else options.chat
     if chat and tokenizer.chat_template:
-        tokens = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        tokens = tokenizer.encode_chat([{"role": "user", "content": options.prompt}])
     else:
-        tokens = tokenizer.encode(prompt)
+        tokens = tokenizer.encode(options.prompt)
     engine = session.engine()
-    engine.add_request(tokens, params)
+    engine.add_request(tokens, options.sampling)
     reason = None
     while engine.has_work:
         for out in engine.step():

@@ -78,12 +78,17 @@ def generate(
     allow_pruning: AllowPruningOpt = False,
 ) -> None:
     """Stream a completion of PROMPT to stdout."""
-    from twinfer.cli.generate_cmd import run_generate
+    from twinfer.app import OpenOptions
+    from twinfer.cli.generate_cmd import GenerateOptions, run_generate
+    from twinfer.runtime.engine import SamplingParams
 
     model = model_or_prompt if prompt is not None else None
     text = prompt if prompt is not None else model_or_prompt
-    run_generate(model, text, max_tokens, temperature, top_p, top_k, seed, backend, chat, threads, speculate,
-                 parallel=(tp, ep, pp), budget=(memory_budget, allow_pruning))
+    run_generate(GenerateOptions(
+        OpenOptions(model, backend, max_seqs=1, threads=threads, speculate=speculate, parallel=(tp, ep, pp),
+                    memory_budget=memory_budget, allow_pruning=allow_pruning),
+        prompt=text, chat=chat,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)))
 
 
 @eval_app.command("kl")
@@ -106,10 +111,11 @@ def eval_kl(
     its top-k logprobs with a censored log-normal model of the tail; the tail-bucket lower bound is
     printed beside it.
     """
-    from twinfer.cli.eval_cmd import run_eval_kl
+    from twinfer.cli.eval_cmd import EvalKLOptions, RemoteOptions, run_eval_kl
 
-    run_eval_kl(model, reference, candidate, corpus, tokens, window, json_out, top_k, api_key_env, probes,
-                probe_seconds)
+    remote = RemoteOptions(top_k=top_k, api_key_env=api_key_env, probes=probes, probe_seconds=probe_seconds)
+    run_eval_kl(EvalKLOptions(model, reference, candidate, corpus=corpus, tokens=tokens, window=window,
+                              json_out=json_out, remote=remote))
 
 
 # -- commands added by later modules go below this line (keep each body a lazy import) ----------
@@ -149,10 +155,12 @@ def bench(
     max_batch_tokens: MaxBatchTokensOpt = None,
 ) -> None:
     """Throughput and latency at given concurrency, with hardware, build and traffic shape attached."""
-    from twinfer.cli.bench_cmd import run_bench_cmd
+    from twinfer.cli.bench_cmd import BenchOptions, run_bench_cmd
 
-    run_bench_cmd(model, concurrency, prompt_tokens, output_tokens, shared_prefix, requests_per_client, corpus,
-                  backend, threads, url, api_key, json_out, speculate, max_batch_tokens)
+    run_bench_cmd(BenchOptions(
+        model, concurrency, prompt_tokens=prompt_tokens, output_tokens=output_tokens, shared_prefix=shared_prefix,
+        requests_per_client=requests_per_client, corpus=corpus, backend=backend, threads=threads, url=url,
+        api_key=api_key, json_out=json_out, speculate=speculate, max_batch_tokens=max_batch_tokens))
 
 
 @app.command()
@@ -184,9 +192,14 @@ def chat(
 ) -> None:
     """Chat with a model in a terminal UI (Esc stops a reply, Ctrl+R regenerates, Ctrl+S settings, Ctrl+Q quits)."""
     from twinfer.cli.chat_cmd import run_chat
+    from twinfer.tui.app import ChatOptions
+    from twinfer.tui.backend import LoadOptions
+    from twinfer.tui.conversation import DEFAULT_SYSTEM, Settings
 
-    run_chat(model, backend, system, temperature, top_p, max_tokens, seed, ctx, threads, template, resume, data_dir,
-             budget=(memory_budget, allow_pruning), speculate=speculate)
+    load = LoadOptions(model, backend, ctx=ctx, threads=threads, template=template, memory_budget=memory_budget,
+                       allow_pruning=allow_pruning, speculate=speculate)
+    settings = Settings(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    run_chat(ChatOptions(load, DEFAULT_SYSTEM if system is None else system, settings, resume), data_dir)
 
 
 @app.command()
@@ -247,13 +260,18 @@ def serve(
         "50 ms); 0: start on the first at once.")] = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
-    from twinfer.cli.serve_cmd import run_serve
+    from twinfer.app import OpenOptions
+    from twinfer.cli.serve_cmd import ServeOptions, run_serve
 
-    run_serve(model, host, port, api_key, backend, max_seqs, ctx, threads, max_queue, served_model_name,
-              drain_timeout, max_body_mb, log_level, loop_guard, guard_retries, speculate, parallel=(tp, ep, pp),
-              budget=(memory_budget, allow_pruning), batch_invariant=batch_invariant, kv_events=kv_events,
-              replica_name=replica_name, kv_connector=(kv_connector, kv_host), max_batch_tokens=max_batch_tokens,
-              kv_layout=kv_layout, batch_wait_ms=batch_wait_ms, repetition_guard=repetition_guard)
+    open_options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
+                               parallel=(tp, ep, pp), memory_budget=memory_budget, allow_pruning=allow_pruning,
+                               batch_invariant=batch_invariant, kv_layout=kv_layout)
+    run_serve(ServeOptions(
+        open_options, host=host, port=port, api_key=api_key, max_queue=max_queue, served_model_name=served_model_name,
+        drain_timeout=drain_timeout, max_body_mb=max_body_mb, log_level=log_level, repetition_guard=repetition_guard,
+        loop_guard=loop_guard, guard_retries=guard_retries, kv_events=kv_events, replica_name=replica_name,
+        kv_connector=kv_connector, kv_host=kv_host, max_batch_tokens=max_batch_tokens, batch_wait_ms=batch_wait_ms))
+
 
 @app.command()
 def cluster(
@@ -275,10 +293,12 @@ def cluster(
         "--log-dir", help="Write each replica's and the gateway's output to files here (default: stderr).")] = None,
 ) -> None:
     """Replicas of `twinfer serve` behind SGLang's Model Gateway (smg) on one port; Ctrl+C stops them all."""
-    from twinfer.cli.cluster_cmd import run_cluster
+    from twinfer.cli.cluster_cmd import ClusterConfig, run_cluster
 
-    run_cluster(model, replicas, prefill, decode, policy, host, port, threads, ctx, max_seqs, kv_events,
-                startup_timeout, log_dir)
+    run_cluster(ClusterConfig(
+        model, replicas=replicas, prefill=prefill, decode=decode, policy=policy, host=host, port=port,
+        threads=threads, ctx=ctx, max_seqs=max_seqs, kv_events=kv_events, startup_timeout_s=startup_timeout,
+        log_dir=Path(log_dir) if log_dir else None))
 
 
 @app.command()
@@ -298,9 +318,11 @@ def prune(
                                       "one pass).")] = "kl",
 ) -> None:
     """Remove the layers (and experts) that cost least, write the model, report its KL."""
-    from twinfer.cli.prune_cmd import run_prune
+    from twinfer.cli.prune_cmd import PruneOptions, run_prune
 
-    run_prune(model, out, layers, experts, corpus, tokens, window, backend, kl_tokens, json_out, rank)
+    options = PruneOptions(layers=layers, experts=experts, corpus=corpus, tokens=tokens, window=window,
+                           backend=backend, kl_tokens=kl_tokens, rank=rank)
+    run_prune(model, out, options, json_out)
 
 
 HardwareOpt = Annotated[
@@ -335,10 +357,13 @@ def plan(
     list_models: Annotated[bool, typer.Option("--list-models", help="List the built-in catalog and exit.")] = False,
 ) -> None:
     """Dry run: what fits, with which strategy, why, and the predicted speed."""
-    from twinfer.cli.plan_cmd import run_plan
+    from twinfer.cli.plan_cmd import PlanOptions, run_plan
 
-    run_plan(model, hardware, gpus, nodes, fmt, kv_format, context, concurrency, memory_budget, params,
-             active_params, layers, experts, top_k, calibration, json_out, list_models)
+    run_plan(PlanOptions(
+        model, hardware, gpus=gpus, nodes=nodes, fmt=fmt, kv_format=kv_format, context=context,
+        concurrency=concurrency, memory_budget=memory_budget, params=params, active_params=active_params,
+        layers=layers, experts=experts, top_k=top_k, calibration=calibration, json_out=json_out,
+        list_models=list_models))
 
 
 @app.command()
@@ -376,10 +401,12 @@ def quantize(
                                             "(lossy; without it int8 refuses to export).")] = False,
 ) -> None:
     """Quantize MODEL's weights to a bit budget, choosing formats by measured KL; write a loadable folder."""
-    from twinfer.cli.quantize_cmd import run_quantize
+    from twinfer.cli.quantize_cmd import QuantizeOptions, run_quantize
 
-    run_quantize(model, out, budget, formats, search, tokens, corpus, granularity, verify, json_out,
-                 group_size, gguf, gguf_int8)
+    options = QuantizeOptions(budget, tuple(f.strip() for f in formats.split(",") if f.strip()), search=search,
+                              tokens=tokens, corpus=corpus, granularity=granularity, group_size=group_size,
+                              gguf=gguf, gguf_int8=gguf_int8)
+    run_quantize(model, out, options, verify, json_out)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,40 +27,71 @@ VERIFY_TOKENS = 64
 REGRESSION = 1.25  # --verify warns when the re-measured KL exceeds the recorded one by this factor
 
 
-def run_quantize(model: str | None, out: str | None, budget: float | None, formats: str, search: bool,
-                 tokens: int, corpus: str, granularity: str, verify: bool, json_out: bool,
-                 group_size: int | None = None, gguf: bool = False, gguf_int8: bool = False) -> None:
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """How `twinfer quantize` picks and writes formats (its flags, checked once here)."""
+
+    budget: float | None = None  # average bits per weight over the layer projections
+    formats: tuple[str, ...] = tuple(DEFAULT_FORMATS.split(","))  # candidate weight formats
+    search: bool = False  # measure per-group sensitivities and search combinations (else: one uniform format)
+    tokens: int = 256  # corpus tokens the KL is measured on
+    corpus: str = "prose"
+    granularity: str = "block"  # search groups: block, layer or tensor
+    group_size: int | None = None  # affine group; None: 64, or 32 with --gguf and no search (Q4_1's block)
+    gguf: bool = False  # also write DIR/model.gguf
+    gguf_int8: bool = False  # with gguf: requantize int8 tensors to Q8_0
+
+    def __post_init__(self) -> None:
+        from twinfer.quant.linear import check_format
+        from twinfer.quant.model_io import DEFAULT_GROUP
+
+        try:
+            for f in self.formats:
+                check_format(f)
+        except ValueError as e:
+            raise TwinferError(f"--formats: {e}", field="formats") from e
+        if self.tokens < 16:
+            raise TwinferError("--tokens must be at least 16", field="tokens")
+        if self.search and self.group_size not in (None, DEFAULT_GROUP):
+            raise TwinferError(f"--search measures the affine formats at group {DEFAULT_GROUP}; "
+                               "drop --group-size or --search", field="group_size")
+        if self.group not in (32, 64, 128):
+            raise TwinferError(f"--group-size must be 32, 64 or 128, got {self.group}", field="group_size")
+
+    @property
+    def group(self) -> int:
+        from twinfer.quant.model_io import DEFAULT_GROUP
+
+        return self.group_size or (32 if self.gguf and not self.search else DEFAULT_GROUP)
+
+
+def run_quantize(model: str | None, out: str | None, options: QuantizeOptions, verify: bool = False,
+                 json_out: bool = False) -> None:
     if verify:
         if model is None:
-            raise TwinferError("--verify needs the quantized folder as MODEL")
+            raise TwinferError("--verify needs the quantized folder as MODEL", field="verify")
         report = verify_folder(Path(model))
         typer.echo(json.dumps(report) if json_out else _verify_line(report))
         return
-    if gguf and out is None and budget is None and model is not None:
-        exported = export_folder(Path(model), gguf_int8)
+    if options.gguf and out is None and options.budget is None and model is not None:
+        exported = export_folder(Path(model), options.gguf_int8)
         typer.echo(json.dumps(exported) if json_out else _gguf_line(exported))
         return
-    if out is None or budget is None:
+    if out is None or options.budget is None:
         raise TwinferError("twinfer quantize needs --out DIR and --budget BITS_PER_WEIGHT "
                            "(or a quantized folder as MODEL with --verify or --gguf)")
-    summary = quantize(model, Path(out), budget, [f.strip() for f in formats.split(",") if f.strip()],
-                       search, tokens, corpus, granularity, log=lambda m: print(m, file=sys.stderr),
-                       group_size=group_size, gguf=gguf, gguf_int8=gguf_int8)
+    summary = quantize(model, Path(out), options, log=lambda m: print(m, file=sys.stderr))
     typer.echo(json.dumps(summary) if json_out else _summary_lines(summary))
 
 
-def quantize(model: str | None, out: Path, budget: float, formats: list[str], search: bool, tokens: int,
-             corpus: str, granularity: str, log: Any = None, group_size: int | None = None,
-             gguf: bool = False, gguf_int8: bool = False) -> dict[str, Any]:
+def quantize(model: str | None, out: Path, options: QuantizeOptions, log: Any = None) -> dict[str, Any]:
     """Pick the assignment, write `out`, measure the written folder; returns the recorded summary.
 
-    `group_size`: the affine formats' group (default 64; 32 with `gguf` and no search: Q4_1's block,
-    as the GGUF stores a scale and bias per 32 weights either way). `gguf`: also write `out`/model.gguf."""
+    `options.gguf`: also write `out`/model.gguf (the affine group then defaults to Q4_1's 32, as the GGUF
+    stores a scale and bias per 32 weights either way)."""
     from twinfer.app.runners import RUNNERS
     from twinfer.quant.fidelity import corpus_windows
-    from twinfer.quant.linear import check_format
     from twinfer.quant.model_io import (
-        DEFAULT_GROUP,
         QuantizedView,
         average_bits,
         quantizable,
@@ -70,19 +102,11 @@ def quantize(model: str | None, out: Path, budget: float, formats: list[str], se
     from twinfer.runtime.loaders import load_model
     from twinfer.runtime.model_path import resolve_path
 
-    try:
-        for f in formats:
-            check_format(f)
-    except ValueError as e:
-        raise TwinferError(f"--formats: {e}") from e
-    if tokens < 16:
-        raise TwinferError("--tokens must be at least 16")
-    if search and group_size not in (None, DEFAULT_GROUP):
-        raise TwinferError(f"--search measures the affine formats at group {DEFAULT_GROUP}; "
-                           "drop --group-size or --search")
-    group = group_size or (32 if gguf and not search else DEFAULT_GROUP)
-    if group not in (32, 64, 128):
-        raise TwinferError(f"--group-size must be 32, 64 or 128, got {group}")
+    o = options
+    if o.budget is None:
+        raise TwinferError("twinfer quantize needs --budget BITS_PER_WEIGHT", field="budget")
+    budget, formats, search, group, gguf_int8 = o.budget, list(o.formats), o.search, o.group, o.gguf_int8
+    tokens, corpus, granularity, gguf = o.tokens, o.corpus, o.granularity, o.gguf
     source = resolve_path(model)
     loaded = load_model(source)
     if loaded.format == "quantized":

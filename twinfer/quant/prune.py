@@ -296,9 +296,31 @@ def output_path(source: Path, out: Path, fmt: str, n_layers: int) -> Path:
 RANKS = ("kl", "influence")
 
 
-def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, corpus: str = "prose",
-                tokens: int = 512, window: int = 256, backend: str = "torch", kl_tokens: int = 512,
-                kl_reference: str | None = None, rank: str = "kl", *, runners: RunnerFactory) -> PruneResult:
+@dataclass(frozen=True)
+class PruneOptions:
+    """What `prune_model` removes and how it ranks and judges (`twinfer prune`'s flags)."""
+
+    layers: int = 0  # transformer blocks to remove
+    experts: int = 0  # routed experts to remove per MoE layer
+    corpus: str = "prose"  # where layers are ranked
+    tokens: int = 512
+    window: int = 256
+    backend: str = "torch"  # the backend that measures influence
+    kl_tokens: int = 512  # tokens for KL(original || pruned); 0 skips it
+    kl_reference: str | None = None
+    rank: str = "kl"  # kl (greedy, each removal the one that keeps KL lowest) or influence (one pass)
+
+    def __post_init__(self) -> None:
+        if self.rank not in RANKS:
+            raise TwinferError(f"unknown --rank {self.rank!r}: use one of {', '.join(RANKS)}", field="rank")
+        if self.layers < 0 or self.experts < 0:
+            raise TwinferError("--layers and --experts count what to remove: give numbers >= 0",
+                               field="layers" if self.layers < 0 else "experts")
+        if self.layers == 0 and self.experts == 0:
+            raise TwinferError("nothing to prune: give --layers N and/or --experts N", field="layers")
+
+
+def prune_model(model: str | None, out: str, options: PruneOptions, *, runners: RunnerFactory) -> PruneResult:
     """Rank layers on the corpus (`rank`: greedy KL or block influence), remove `layers` blocks and
     `experts` experts per MoE layer (least routing mass), write the model next to `out`, and report
     KL(original || pruned) on `kl_tokens` tokens (0: skip). `runners` opens the model to rank it."""
@@ -307,12 +329,9 @@ def prune_model(model: str | None, out: str, layers: int = 0, experts: int = 0, 
     from twinfer.runtime.loaders import load_model
     from twinfer.runtime.model_path import resolve_path
 
-    if rank not in RANKS:
-        raise TwinferError(f"unknown --rank {rank!r}: use one of {', '.join(RANKS)}")
-    if layers < 0 or experts < 0:
-        raise TwinferError("--layers and --experts count what to remove: give numbers >= 0")
-    if layers == 0 and experts == 0:
-        raise TwinferError("nothing to prune: give --layers N and/or --experts N")
+    o = options
+    layers, experts, corpus, tokens, window = o.layers, o.experts, o.corpus, o.tokens, o.window
+    backend, kl_tokens, kl_reference, rank = o.backend, o.kl_tokens, o.kl_reference, o.rank
     src = resolve_path(model)
     loaded = load_model(src)
     spec = loaded.spec

@@ -280,23 +280,39 @@ def endpoint_rows(endpoint: Endpoint, tokens: list[int], k: int, pieces: PieceIn
     return rows, "token-by-token"
 
 
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How an endpoint is asked (`twinfer eval kl` with a URL candidate)."""
+
+    top_k: int = 20  # top logprobs per position (OpenAI's limit: 20)
+    api_key_env: str = "OPENAI_API_KEY"  # the variable holding the endpoint's key
+    retries: int = 4
+    threshold: float = FAITHFUL_KL  # mean KL at or below which the endpoint is judged faithful
+    probes: int = 0  # logit_bias probes per position for the reference's likeliest tokens outside the top k
+    probe_seconds: float = 60.0  # time limit on all probes
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= 20:
+            raise TwinferError(f"--top-k must be in [1, 20] (OpenAI's limit on logprobs), got {self.top_k}",
+                               field="top_k")
+        if self.probes < 0 or self.probe_seconds < 0:
+            raise TwinferError(f"--probes and --probe-seconds must be >= 0, got {self.probes} and "
+                               f"{self.probe_seconds}", field="probes" if self.probes < 0 else "probe_seconds")
+
+
 def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, tokens: int, window: int = 256, *,
-                      runners: RunnerFactory, top_k: int = 20, api_key_env: str = "OPENAI_API_KEY",
-                      retries: int = 4, threshold: float = FAITHFUL_KL, probes: int = 0,
-                      probe_seconds: float = 60.0) -> RemoteKLReport:
+                      runners: RunnerFactory, options: RemoteOptions | None = None) -> RemoteKLReport:
     """KL(reference || endpoint) over `tokens` corpus tokens, estimated from the endpoint's top-k logprobs.
 
-    `probes` > 0 also asks, per position, for the logprobs of up to that many of the reference's most
+    `options.probes` > 0 also asks, per position, for the logprobs of up to that many of the reference's most
     likely tokens missing from the endpoint's top k (one `logit_bias` request each), within
-    `probe_seconds` in all."""
+    `options.probe_seconds` in all."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
-    if not 1 <= top_k <= 20:
-        raise TwinferError(f"--top-k must be in [1, 20] (OpenAI's limit on logprobs), got {top_k}")
-    if probes < 0 or probe_seconds < 0:
-        raise TwinferError(f"--probes and --probe-seconds must be >= 0, got {probes} and {probe_seconds}")
+    o = options or RemoteOptions()
+    top_k, probes = o.top_k, o.probes
     start = time.perf_counter()
-    endpoint = Endpoint(url, api_key_env, retries)
+    endpoint = Endpoint(url, o.api_key_env, o.retries)
     tokenizer = load_tokenizer(resolve_path(model))
     windows = list(corpus_windows(model, corpus, tokens, window))
     how = check_tokenizer(endpoint, tokenizer, _corpus_sample(corpus, tokens))
@@ -306,7 +322,7 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
     alt = open_source(other[0], model, window, runners) if other else None
     floors: list[np.ndarray] = []
     ests, bounds, agrees, tails, sigmas, method, n_probes = [], [], [], [], [], "", 0
-    deadline = time.perf_counter() + probe_seconds
+    deadline = time.perf_counter() + o.probe_seconds
     for w in windows:
         if len(w) < 2:
             continue
@@ -324,10 +340,13 @@ def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, 
         sigmas.append(scored.sigma)
     report = _kl_report(reference, url, str(corpus), ests, agrees)
     bound = _kl_report(reference, url, str(corpus), bounds, agrees)
-    return RemoteKLReport(report, url, endpoint.model, endpoint.system_fingerprint, time.perf_counter() - start,
-                          method, top_k, how, float(np.concatenate(tails).mean()), bound,
-                          float(np.sqrt(np.mean(np.concatenate(sigmas) ** 2))), n_probes, endpoint.probe_kind,
-                          threshold, _floor(floors, other[1] if other else "", corpus), kernels_line(reference))
+    return RemoteKLReport(
+        kl=report, endpoint=url, served_model=endpoint.model, system_fingerprint=endpoint.system_fingerprint,
+        seconds=time.perf_counter() - start, method=method, top_k=top_k, tokenizer_check=how,
+        candidate_tail_mass=float(np.concatenate(tails).mean()), bound=bound,
+        sigma=float(np.sqrt(np.mean(np.concatenate(sigmas) ** 2))), probes=n_probes,
+        probe_kind=endpoint.probe_kind, threshold=o.threshold,
+        floor=_floor(floors, other[1] if other else "", corpus), kernels=kernels_line(reference))
 
 
 def _floor_rows(ref_logits: np.ndarray, other: LogitSource, tokens: list[int]) -> np.ndarray:

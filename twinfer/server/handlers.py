@@ -72,8 +72,7 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None, tokenizer: An
     try:
         return plan_tools(tools, tool_choice, parallel, tokenizer, constraint)
     except RequestError as e:
-        param = "tool_choice" if "tool_choice" in str(e) else "tools"
-        raise APIError(400, str(e), param=param, code="invalid_tools") from e
+        raise APIError(400, str(e), param=e.field or "tools", code="invalid_tools") from e
 
 
 async def collect(request: Request, choices: list[Choice], followers: list[Any]) -> None:

@@ -20,7 +20,7 @@ from twinfer.runtime.engine import RequestOutput, SamplingParams
 from twinfer.runtime.errors import PlanError, TwinferError
 
 if TYPE_CHECKING:
-    from twinfer.app import Session
+    from twinfer.app import OpenOptions, Session
 
 Progress = Callable[[int, int, str], None]  # (step, total steps, what is happening)
 
@@ -104,6 +104,8 @@ class EngineBackend:
 
 @dataclass(frozen=True)
 class LoadOptions:
+    """The model `twinfer chat` opens; checked when built, so a bad flag fails before the screen opens."""
+
     model: str | None = None
     backend: str = "auto"
     ctx: int = 4096
@@ -113,10 +115,23 @@ class LoadOptions:
     allow_pruning: bool = False
     speculate: str = "off"  # --speculate: off, ngram, draft:PATH or self:N
 
+    def __post_init__(self) -> None:
+        if self.ctx < 64:  # a chat turn's history and reply need room; the runner's own limit is lower
+            raise TwinferError(f"--ctx must be at least 64 tokens, got {self.ctx}", field="ctx")
+        self.open_options()  # the runner's limits, --speculate and --memory-budget
+
+    def open_options(self, model: str | None = None, backend: str | None = None) -> OpenOptions:
+        """The session these options open (`model` and `backend` once resolved)."""
+        from twinfer.app import OpenOptions
+
+        return OpenOptions(model or self.model, backend or self.backend, max_seqs=2, ctx=self.ctx,
+                           threads=self.threads, speculate=self.speculate, memory_budget=self.memory_budget,
+                           allow_pruning=self.allow_pruning)
+
 
 def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
     """Resolve, plan, load and start the model (blocking; run it on a worker thread)."""
-    from twinfer.app import OpenOptions, open_session
+    from twinfer.app import open_session
     from twinfer.app.models import choose_backend, resolve_path
 
     total = 4
@@ -136,9 +151,7 @@ def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:
                         f"{plan.suggestion or 'try a smaller quantization or a lower --ctx'} "
                         f"(`twinfer plan {path}` explains)")
     progress(2, total, f"loading {path.name} on {backend} (the first run also converts the tokenizer)")
-    session = open_session(OpenOptions(str(path), backend, max_seqs=2, ctx=options.ctx, threads=options.threads,
-                                       speculate=options.speculate,
-                                       memory_budget=options.memory_budget, allow_pruning=options.allow_pruning))
+    session = open_session(options.open_options(str(path), backend))
     opened = session.opened
     progress(3, total, "starting the engine")
     instruct = bool(getattr(opened, "instruct", False))

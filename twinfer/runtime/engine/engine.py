@@ -185,13 +185,11 @@ class Engine:
         return [self.full_output(r, results.get(r.request_id)) for r in requests]
 
     def full_output(self, request: Request, last: RequestOutput | None = None) -> RequestOutput:
-        out = RequestOutput(
-            request.request_id, request.text, list(request.output), request.finished,
-            request.finish_reason, list(request.logprobs) if request.params.logprobs is not None else None,
-            len(request.prompt), len(request.output), request.cached_tokens,
-            request.timings.as_dict(len(request.output)), self.cost(request) if request.finished else None,
-            prompt_logprobs=self._prompt_logprobs(request, again=True),
-        )
+        logprobs = list(request.logprobs) if request.params.logprobs is not None else None
+        out = request.make_output(request.text, list(request.output), final=request.finished, logprobs=logprobs,
+                                  prompt_logprobs=self._prompt_logprobs(request, again=True))
+        out.metrics = request.timings.as_dict(len(request.output))
+        out.cost = self.cost(request) if request.finished else None
         out.kv_transfer_params = request.kv_transfer_params
         return out
 
@@ -390,9 +388,8 @@ class Engine:
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = request.logprobs[len(request.logprobs) - len(tokens) :] if tokens else []
-        out = RequestOutput(request.request_id, text, tokens, final, request.finish_reason, logprobs,
-                            len(request.prompt), len(request.output), request.cached_tokens,
-                            prompt_logprobs=self._prompt_logprobs(request))
+        out = request.make_output(text, tokens, final=final, logprobs=logprobs,
+                                  prompt_logprobs=self._prompt_logprobs(request))
         if final:
             out.metrics = request.timings.as_dict(len(request.output))
             out.cost = self.cost(request)

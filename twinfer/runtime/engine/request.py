@@ -121,6 +121,15 @@ class Request:
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.timings.arrival)
 
+    def make_output(self, text: str, token_ids: list[int], *, final: bool, logprobs: list[TokenLogprob] | None,
+                    prompt_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        """The one way an output of this request is built: `text` and `token_ids` (a delta, or everything),
+        with the request's id, finish reason and token counts filled in."""
+        return RequestOutput(request_id=self.request_id, text=text, token_ids=token_ids, finished=final,
+                             finish_reason=self.finish_reason, logprobs=logprobs, prompt_tokens=len(self.prompt),
+                             completion_tokens=len(self.output), cached_tokens=self.cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
+
     def reset_output(self, seed: int | None, temperature: float | None) -> None:
         """Start the generation over (the guard's retry): same prompt, fresh seed."""
         self.output.clear()

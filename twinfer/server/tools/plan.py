@@ -63,12 +63,12 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         name = choice["name"]
         if name not in functions:
             raise RequestError(f"tool_choice names the function {name!r}, which is not in tools "
-                               f"({', '.join(functions)})")
+                               f"({', '.join(functions)})", field="tool_choice")
         forced = {name: functions[name]}
     else:
         forced = functions if choice == "required" else {}
     if forced and constraint is not None:
-        raise RequestError("tool_choice 'required' or a named function cannot be combined with response_format")
+        raise RequestError("tool_choice 'required' or a named function cannot be combined with response_format", field="tool_choice")
     plan = ToolPlan(family, functions, reasoning=reasoning)
     if family == "generic":
         plan.rewrite = generic_messages(list(functions.values()), parallel is not False)
@@ -96,16 +96,16 @@ def _choice(tool_choice: str | dict[str, Any] | None, have_tools: bool) -> str |
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
             raise RequestError(f"tool_choice {tool_choice!r} is unknown; use none, auto, required or "
-                               "{'type': 'function', 'function': {'name': ...}}")
+                               "{'type': 'function', 'function': {'name': ...}}", field="tool_choice")
         if tool_choice != "none" and not have_tools:
-            raise RequestError(f"tool_choice {tool_choice!r} needs tools")
+            raise RequestError(f"tool_choice {tool_choice!r} needs tools", field="tool_choice")
         return tool_choice
     fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else tool_choice.get("name")
     if not isinstance(name, str):
-        raise RequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
+        raise RequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", field="tool_choice")
     if not have_tools:
-        raise RequestError("tool_choice names a function but the request has no tools")
+        raise RequestError("tool_choice names a function but the request has no tools", field="tool_choice")
     return {"name": name}
 
 
@@ -115,15 +115,15 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", field="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not name or len(name) > 64:
-            raise RequestError(f"tools[{i}].function.name must be a non-empty string of at most 64 characters")
+            raise RequestError(f"tools[{i}].function.name must be a non-empty string of at most 64 characters", field="tools")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", field="tools")
         if name in out:
-            raise RequestError(f"tools[{i}]: the function {name!r} is defined twice")
+            raise RequestError(f"tools[{i}]: the function {name!r} is defined twice", field="tools")
         entry = {"name": name, "parameters": params}
         if isinstance(fn.get("description"), str):
             entry["description"] = fn["description"]
