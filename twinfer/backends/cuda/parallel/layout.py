@@ -71,8 +71,9 @@ class ParallelConfig:
         s, tp = spec, self.tp
         if s.num_heads % tp:
             raise PlanError(f"--tp {tp} does not divide the model's {s.num_heads} attention heads")
-        if s.num_kv_heads % tp and tp % s.num_kv_heads:
-            raise PlanError(f"--tp {tp} and the model's {s.num_kv_heads} KV heads: one must divide the other")
+        for kv in {s.num_kv_heads, s.global_kv_heads or s.num_kv_heads}:
+            if kv % tp and tp % kv:
+                raise PlanError(f"--tp {tp} and the model's {kv} KV heads: one must divide the other")
         if s.vocab_size % tp:
             raise PlanError(f"--tp {tp} does not divide the vocabulary of {s.vocab_size} tokens")
         dense = s.moe is None or s.moe.first_dense_layers > 0

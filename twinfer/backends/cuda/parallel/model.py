@@ -7,7 +7,7 @@ parallelism is a transform of the built model, never a flag inside `forward`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
@@ -102,8 +102,8 @@ class ParallelTorchOps(TorchOps):
             return b.tensor if isinstance(b, Sharded) else b
 
         down = local(extras.down_bias) if self.tp.rank == 0 else None
-        return ExpertExtras(router_bias=extras.router_bias, score_bias=extras.score_bias,
-                            gate_bias=local(extras.gate_bias), up_bias=local(extras.up_bias), down_bias=down)
+        # the router's own weights (biases, Gemma 4's input and per-expert scale) stay replicated, by global id
+        return replace(extras, gate_bias=local(extras.gate_bias), up_bias=local(extras.up_bias), down_bias=down)
 
 
 class ShardedModel:

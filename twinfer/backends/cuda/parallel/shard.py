@@ -10,6 +10,8 @@ query heads read. A QK norm over the whole projection (MiniMax-M2) splits with i
 mean square is summed across the tensor group (`NORM`). Multi-head latent attention splits its heads (`q`/`q_b`, the absorbed `kv_b_k`,
 `kv_b_v`) and replicates the latent: every rank caches the whole latent its heads attend over.
 Shared experts split like the dense MLP; attention sinks by head; expert biases with their experts.
+Gemma 4's global layers split by their own head size and KV heads; its per-layer embeddings, value
+norm, router scales and block scalars are replicated.
 
 `shard_request` is the one place these rules live. A rank reads exactly the box it names from the
 model file (`WeightSet.load_region`: a slice of the file, not the full tensor) and never opens the
@@ -35,7 +37,11 @@ _REPLICATED = {"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_no
                # MLA's low-rank down-projections and their norms: every rank needs the whole latent
                "q_a", "q_a_bias", "q_a_norm", "kv_a", "kv_a_bias", "kv_a_norm",
                # sparse attention's indexer: every rank picks the tokens for all its heads
-               "indexer.q", "indexer.k", "indexer.k_norm", "indexer.k_norm_bias", "indexer.weights"}
+               "indexer.q", "indexer.k", "indexer.k_norm", "indexer.k_norm_bias", "indexer.weights",
+               # Gemma 4: per-head value norm, the MoE block's norms, router scale and per-expert scale, scalars
+               "v_norm", "router_norm", "expert_scale", "post_mlp_norm_1", "mlp_norm_2", "post_mlp_norm_2",
+               "layer_scalar", "per_layer_gate", "per_layer_out", "per_layer_norm"}
+_EVERY_STAGE = ("per_layer.",)  # Gemma 4's per-layer embeddings: each block reads its own slice
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ def local_spec(spec: ModelSpec, pos: RankPosition) -> ModelSpec:
     return spec.with_(
         num_heads=spec.num_heads // tp,
         num_kv_heads=max(1, spec.num_kv_heads // tp),
+        global_kv_heads=max(1, spec.global_kv_heads // tp) if spec.global_kv_heads else None,
         intermediate_size=spec.intermediate_size // tp if spec.intermediate_size % tp == 0 else spec.intermediate_size,
         moe=moe,
     )
@@ -101,6 +108,8 @@ def owned(name: str, spec: ModelSpec, pos: RankPosition) -> bool:
     """Whether this rank's stage holds `name` at all."""
     if name.startswith("layers."):
         return int(name.split(".")[1]) in pos.layers
+    if name.startswith(_EVERY_STAGE):
+        return True
     if name == "embed":
         return pos.first_stage or (pos.last_stage and spec.tie_word_embeddings)
     return pos.last_stage  # norm, lm_head
@@ -116,11 +125,12 @@ def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankP
         n = spec.vocab_size // tp
         return Part(VOCAB, (slice(t * n, (t + 1) * n),), t * n)
     part = name.split(".", 2)[-1] if name.startswith("layers.") else name
-    if part in ("q_norm", "k_norm") and tp > 1 and _projection_wide(part, shape, spec):
-        return _projection_norm(part, shape, spec, pos)
-    if name == "norm" or part in _REPLICATED:
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
+    D = spec.head_dim_for(layer)  # Gemma 4's global layers have their own head size and KV heads
+    if part in ("q_norm", "k_norm") and tp > 1 and _projection_wide(part, shape, spec, layer):
+        return _projection_norm(part, shape, spec, pos, layer)
+    if name == "norm" or part in _REPLICATED or name.startswith(_EVERY_STAGE):
         return Part(REPLICATED)
-    D = spec.head_dim
     if part in ("q", "q_bias", "q_b"):  # by whole heads (MLA: head_dim is qk_nope + qk_rope)
         h = spec.num_heads // tp
         return Part(COLUMN, (slice(t * h * D, (t + 1) * h * D),))
@@ -128,7 +138,7 @@ def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankP
         h = spec.num_heads // tp
         return Part(COLUMN, (slice(t * h, (t + 1) * h),))
     if part in ("k", "v", "k_bias", "v_bias"):
-        kv = spec.num_kv_heads
+        kv = spec.kv_heads_for(layer)
         first, n = (t * kv // tp, kv // tp) if kv % tp == 0 else (t * kv // tp, 1)
         return Part(COLUMN, (slice(first * D, (first + n) * D),))
     if part in ("o", "down", "shared.down"):  # input columns: heads' outputs, or the MLP width
@@ -142,19 +152,19 @@ def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankP
     raise WeightError(f"no tensor-parallel rule for weight {name!r}; the parallel torch backend cannot split it")
 
 
-def _projection_wide(part: str, shape: tuple[int, ...], spec: ModelSpec) -> bool:
+def _projection_wide(part: str, shape: tuple[int, ...], spec: ModelSpec, layer: int) -> bool:
     """Whether a q/k norm spans the whole projection (every head) rather than one head."""
-    heads = spec.num_heads if part == "q_norm" else spec.num_kv_heads
-    return heads > 1 and shape == (heads * spec.head_dim,)
+    heads = spec.num_heads if part == "q_norm" else spec.kv_heads_for(layer)
+    return heads > 1 and shape == (heads * spec.head_dim_for(layer),)
 
 
-def _projection_norm(part: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankPosition) -> Part:
+def _projection_norm(part: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankPosition, layer: int) -> Part:
     """A whole-projection norm's slice, cut like its q or k rows; replicated KV heads count once per copy."""
-    tp, t, D = pos.config.tp, pos.tp_rank, spec.head_dim
+    tp, t, D = pos.config.tp, pos.tp_rank, spec.head_dim_for(layer)
     if part == "q_norm":
         h = spec.num_heads // tp
         return Part(NORM, (slice(t * h * D, (t + 1) * h * D),), shape[0])
-    kv = spec.num_kv_heads
+    kv = spec.kv_heads_for(layer)
     first, n, copies = (t * kv // tp, kv // tp, 1) if kv % tp == 0 else (t * kv // tp, 1, tp // kv)
     return Part(NORM, (slice(first * D, (first + n) * D),), shape[0] * copies)
 
