@@ -259,10 +259,12 @@ def device_from(hardware: str) -> Device:
 
 
 def resolve_cluster(hardware: str, gpus: int | None = None, nodes: int | None = None,
-                    memory_budget: str | None = None) -> Cluster:
+                    memory_budget: str | None = None, follow_build: bool = True) -> Cluster:
     """`auto` probes this machine, `cpu` its CPU; a description or a table name otherwise.
 
     `gpus`/`nodes` override the count (a node shape's own count when None), `memory_budget` caps each device.
+    A GPU or Apple silicon gets the installed llama.cpp build (`llamacpp_build`), so a plan says whether it
+    runs there; with `follow_build`, `auto` on a local GPU this build cannot use plans the CPU instead.
     """
     from twinfer.planners import probe
     from twinfer.planners.hw_table import DEVICES, NODE_SHAPES
@@ -283,9 +285,32 @@ def resolve_cluster(hardware: str, gpus: int | None = None, nodes: int | None = 
     if gpus is not None or nodes is not None:
         cluster = Cluster(cluster.device, cluster.gpus_per_node if gpus is None else gpus,
                           cluster.nodes if nodes is None else nodes, cluster.scale_out_gbs, notes=cluster.notes)
+    cluster = with_build(cluster, hardware == "auto" and follow_build)
     if memory_budget is not None:
         budget = parse_bytes(memory_budget)
         if budget <= 0:
             raise PlanError(f"--memory-budget must be positive, got {memory_budget!r}")
         cluster = replace(cluster, memory_budget_bytes=budget)
     return cluster
+
+
+def with_build(cluster: Cluster, follow: bool = False) -> Cluster:
+    """`cluster` with the installed llama.cpp build where it has a GPU or Apple silicon; when `follow` and
+    that build cannot use a local one (the CPU-only `pip install`), this machine's CPU instead, saying why."""
+    from twinfer.planners import probe
+    from twinfer.planners.llamacpp_build import read_build
+    from twinfer.planners.placement import GPU_BUILD_HINT
+    from twinfer.planners.search import target_of
+
+    device = cluster.device
+    if device.kind == CPU:
+        return cluster
+    build = read_build()
+    if build is None:
+        return cluster
+    if follow and target_of(cluster) == "local" and build.backend_for(device) is None:
+        cpu = probe.probe_cpu(probe.pinned_host())
+        note = (f"found {device.label}, but the installed llama-cpp-python is {build.kind()} and cannot use "
+                f"it: planned on the CPU. To get a GPU build: {GPU_BUILD_HINT}")
+        return replace(cpu, memory_budget_bytes=cluster.memory_budget_bytes, notes=(*cpu.notes, note))
+    return replace(cluster, llamacpp_build=build)

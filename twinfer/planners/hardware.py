@@ -10,9 +10,12 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinfer.runtime.errors import PlanError
+
+if TYPE_CHECKING:
+    from twinfer.planners.placement import LlamaBuild
 
 GPU, APPLE, CPU = "gpu", "apple", "cpu"
 HOST_DRAM_GBS = 60.0  # experts left in host RAM run at desktop DDR5 speed (llama.cpp --n-cpu-moe)
@@ -157,6 +160,7 @@ class Cluster:
     scale_out_gbs: float = 50.0  # one 400 Gb/s NIC per GPU
     memory_budget_bytes: float | None = None  # user cap per device
     notes: tuple[str, ...] = field(default_factory=tuple)
+    llamacpp_build: LlamaBuild | None = None  # the installed llama-cpp-python's backends; None: not known
 
     def __post_init__(self) -> None:
         d = self.device

@@ -11,6 +11,7 @@ from twinfer.planners.explain import closest, explain, runners_up, smallest_chan
 from twinfer.planners.hardware import GPU, Cluster
 from twinfer.planners.memory import max_concurrency, max_context
 from twinfer.planners.model import ModelProfile
+from twinfer.planners.placement import Placement, build_refusal, placement_for
 from twinfer.planners.search import Candidate, Request, search, target_of
 from twinfer.runtime.errors import PlanError
 
@@ -33,6 +34,7 @@ class Plan:
     suggestion: str = ""
     closest: Candidate | None = None  # when nothing fits: the faithful plan nearest to fitting
     notes: tuple[str, ...] = field(default_factory=tuple)
+    placement: Placement | None = None  # a llama.cpp plan's layers, experts and KV type, as llama.cpp takes them
 
     @property
     def fits(self) -> bool:
@@ -58,6 +60,8 @@ class Plan:
             "reasons": list(self.reasons),
             "warnings": list(self.warnings),
             "runners_up": list(self.alternatives),
+            "llamacpp": self.placement.to_json() if self.placement else None,
+            "llamacpp_build": self.cluster.llamacpp_build.to_json() if self.cluster.llamacpp_build else None,
         }
         if c is None or s is None:
             near = self.closest
@@ -138,10 +142,12 @@ def make_plan(model: ModelProfile, cluster: Cluster, request: Request, cal: Cali
     s = chosen.strategy
     prof = chosen.profile
     reasons, warnings = explain(chosen, evaluated, cluster, request, cal)
+    placement = placement_for(prof, s, cluster.device)
+    refused = build_refusal(cluster.llamacpp_build, placement, cluster.device)
     return Plan(
         model, cluster, request, target, chosen,
         max_concurrency=max_concurrency(prof, cluster, s, request.context),
         max_context=max_context(prof, cluster, s, request.concurrency),
-        ttft_s=chosen.ttft_s, reasons=tuple(reasons), warnings=tuple(warnings),
-        alternatives=tuple(runners_up(chosen, evaluated)), notes=notes,
+        ttft_s=chosen.ttft_s, reasons=tuple(reasons), warnings=(*warnings, *([refused] if refused else [])),
+        alternatives=tuple(runners_up(chosen, evaluated)), notes=notes, placement=placement,
     )

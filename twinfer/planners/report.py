@@ -25,6 +25,7 @@ def render_plan(plan: Plan) -> str:
     used = mem.used
     lines += [
         f"fits      yes: {s.label()}",
+        *([f"llama.cpp {plan.placement.args()}" + _experts_line(plan)] if plan.placement else []),
         "memory per device",
         f"  weights      {fmt_bytes(mem.resident_weights)}"
         + (f" resident (+{fmt_bytes(mem.streamed_weights)} streamed)" if mem.streamed_weights else "")
@@ -51,6 +52,14 @@ def render_plan(plan: Plan) -> str:
         lines += ["warnings", *(f"  ! {w}" for w in plan.warnings)]
     lines += _alternatives(plan)
     return "\n".join(lines + _notes(plan))
+
+
+def _experts_line(plan: Plan) -> str:
+    p = plan.placement
+    if p is None or not p.cpu_moe_layers:
+        return ""
+    n = p.num_layers if p.cpu_moe_layers >= p.num_layers else p.cpu_moe_layers
+    return f"  (routed experts of the first {n} of {p.num_layers} layers in host memory)"
 
 
 def _alternatives(plan: Plan) -> list[str]:
