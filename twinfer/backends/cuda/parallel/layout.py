@@ -74,6 +74,9 @@ class ParallelConfig:
         for kv in {s.num_kv_heads, s.global_kv_heads or s.num_kv_heads}:
             if kv % tp and tp % kv:
                 raise PlanError(f"--tp {tp} and the model's {kv} KV heads: one must divide the other")
+        if s.linear_attn is not None and s.linear_attn.num_k_heads % tp:
+            raise PlanError(f"--tp {tp} does not divide the model's {s.linear_attn.num_k_heads} linear-attention "
+                            "key heads")
         if s.vocab_size % tp:
             raise PlanError(f"--tp {tp} does not divide the vocabulary of {s.vocab_size} tokens")
         dense = s.moe is None or s.moe.first_dense_layers > 0

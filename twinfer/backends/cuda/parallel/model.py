@@ -134,6 +134,11 @@ class ShardedModel:
         self.comms = comms
         self.ops.tp, self.ops.stage = comms["tp"], comms["stage"]
 
+    def release(self, seq_id: int) -> None:
+        """Free the sequence's recurrent state slots on this rank (every rank binds slots alike)."""
+        if self.spec.recurrent:
+            self.ops.release_state(seq_id)
+
     def micro_batches(self, batch: StepBatch) -> list[StepBatch]:
         """Contiguous groups of chunks, one per pipeline slot, so stages overlap within a step."""
         c = self.pos.config

@@ -14,7 +14,8 @@ import os
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, cast
@@ -27,11 +28,12 @@ from twinfer.backends.cuda.parallel.comm import Comm, make_comm, make_store
 from twinfer.backends.cuda.parallel.layout import ParallelConfig, RankPosition
 from twinfer.backends.cuda.parallel.model import ShardedModel
 from twinfer.backends.cuda.parallel.shard import HostWeights, WeightReader
-from twinfer.backends.cuda.parallel.wire import STEP, STOP, decode, encode
+from twinfer.backends.cuda.parallel.wire import RELEASE, STEP, STOP, decode, encode
 from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.errors import BackendUnavailable
+from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.kv.traffic import StepTraffic, kv_layer_bytes, resident_traffic
-from twinfer.runtime.runner import KVLayout, Runner
+from twinfer.runtime.runner import KVLayout, KVSync, Runner
 from twinfer.runtime.spec import ModelSpec
 
 
@@ -107,6 +109,9 @@ def serve_steps(model: ShardedModel) -> None:
         command, n = header.tolist()
         if command == STOP:
             return
+        if command == RELEASE:
+            model.release(n)
+            continue
         payload = control.broadcast(torch.empty(n, dtype=torch.int64), 0)
         model.step(decode(payload))
 
@@ -132,7 +137,7 @@ class DistributedRunner(Runner):
     """Rank 0's runner: broadcasts each step to the workers, runs its own stage, returns the logits."""
 
     def __init__(self, model: ShardedModel, kv: KVLayout, procs: list[Any], store: Any = None):
-        self.spec, self.kv, self.backend = model.spec, kv, "torch"
+        self.spec, self.kv, self.backend = model.spec, replace(kv, recurrent=model.spec.recurrent), "torch"
         self.model, self.procs, self._store = model, procs, store
         self._closer = weakref.finalize(self, _shutdown, model.comms, procs)
 
@@ -155,6 +160,20 @@ class DistributedRunner(Runner):
             raise BackendUnavailable(f"a parallel step failed ({self.config.describe()}): {e}") from e
         assert out is not None
         return out
+
+    def release(self, seq_id: int) -> None:
+        """Every rank frees the sequence's recurrent state slots (linear-attention layers)."""
+        if not self.spec.recurrent or not self._closer.alive:
+            return
+        self.model.comms["control"].broadcast(torch.tensor([RELEASE, seq_id], dtype=torch.int64), 0)
+        self.model.release(seq_id)
+
+    def kv_sync(self, blocks: BlockManager, slots: int, running: Callable[[], int]) -> KVSync:
+        if not self.spec.recurrent:
+            return KVSync()
+        from twinfer.runtime.kv.recurrent import StateSync
+
+        return StateSync(self.release)  # as OpsRunner: state slots go back when a sequence leaves
 
     def _check_workers(self) -> None:
         for rank, p in enumerate(self.procs, start=1):

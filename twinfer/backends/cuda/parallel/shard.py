@@ -11,7 +11,8 @@ mean square is summed across the tensor group (`NORM`). Multi-head latent attent
 `kv_b_v`) and replicates the latent: every rank caches the whole latent its heads attend over.
 Shared experts split like the dense MLP; attention sinks by head; expert biases with their experts.
 Gemma 4's global layers split by their own head size and KV heads; its per-layer embeddings, value
-norm, router scales and block scalars are replicated.
+norm, router scales and block scalars are replicated. A gated delta net (Qwen3-Next, Qwen3.5) splits
+like attention, by whole key heads with their value heads; each rank keeps its heads' recurrent state.
 
 `shard_request` is the one place these rules live. A rank reads exactly the box it names from the
 model file (`WeightSet.load_region`: a slice of the file, not the full tensor) and never opens the
@@ -40,7 +41,9 @@ _REPLICATED = {"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_no
                "indexer.q", "indexer.k", "indexer.k_norm", "indexer.k_norm_bias", "indexer.weights",
                # Gemma 4: per-head value norm, the MoE block's norms, router scale and per-expert scale, scalars
                "v_norm", "router_norm", "expert_scale", "post_mlp_norm_1", "mlp_norm_2", "post_mlp_norm_2",
-               "layer_scalar", "per_layer_gate", "per_layer_out", "per_layer_norm"}
+               "layer_scalar", "per_layer_gate", "per_layer_out", "per_layer_norm",
+               # Qwen3-Next / Qwen3.5: the shared expert's gate (one value per token), the delta net's head norm
+               "shared_gate", "lin.norm"}
 _EVERY_STAGE = ("per_layer.",)  # Gemma 4's per-layer embeddings: each block reads its own slice
 
 
@@ -51,6 +54,7 @@ class Part:
     kind: str  # REPLICATED, COLUMN, ROW, VOCAB or EXPERTS
     region: Region = ()  # one slice per leading axis; () is the whole tensor
     offset: int = 0  # VOCAB: first token id; EXPERTS: first expert id; NORM: values the summed squares cover
+    pieces: tuple[tuple[int, int], ...] = ()  # (first row, rows) runs read and stacked instead of `region`
 
 
 class WeightReader(Protocol):
@@ -91,11 +95,14 @@ class HostWeights:
 def local_spec(spec: ModelSpec, pos: RankPosition) -> ModelSpec:
     """The shapes one rank computes with: its share of heads and MLP/expert widths."""
     tp = pos.config.tp
-    moe = spec.moe
+    moe, la = spec.moe, spec.linear_attn
     if moe is not None:
         moe = replace(moe, expert_intermediate_size=moe.expert_intermediate_size // tp,
                       shared_intermediate_size=moe.shared_intermediate_size // tp)
+    if la is not None:  # each rank runs its delta-net heads and keeps their recurrent state
+        la = replace(la, num_k_heads=la.num_k_heads // tp, num_v_heads=la.num_v_heads // tp)
     return spec.with_(
+        linear_attn=la,
         num_heads=spec.num_heads // tp,
         num_kv_heads=max(1, spec.num_kv_heads // tp),
         global_kv_heads=max(1, spec.global_kv_heads // tp) if spec.global_kv_heads else None,
@@ -131,7 +138,9 @@ def shard_request(name: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankP
         return _projection_norm(part, shape, spec, pos, layer)
     if name == "norm" or part in _REPLICATED or name.startswith(_EVERY_STAGE):
         return Part(REPLICATED)
-    if part in ("q", "q_bias", "q_b"):  # by whole heads (MLA: head_dim is qk_nope + qk_rope)
+    if part.startswith("lin."):
+        return _linear_attention_part(part, shape, spec, pos)
+    if part in ("q", "q_bias", "q_b", "q_gate"):  # by whole heads (MLA: head_dim is qk_nope + qk_rope)
         h = spec.num_heads // tp
         return Part(COLUMN, (slice(t * h * D, (t + 1) * h * D),))
     if part in ("sinks", "kv_b_k", "kv_b_v"):  # one entry per head along the first axis
@@ -169,6 +178,22 @@ def _projection_norm(part: str, shape: tuple[int, ...], spec: ModelSpec, pos: Ra
     return Part(NORM, (slice(first * D, (first + n) * D),), shape[0] * copies)
 
 
+def _linear_attention_part(part: str, shape: tuple[int, ...], spec: ModelSpec, pos: RankPosition) -> Part:
+    """A gated delta-net layer's share: whole key heads with their value heads (value heads follow key
+    heads in contiguous groups, so both split alike); the projection and conv rows hold the q, k and v
+    channels side by side, each cut the same way; the output projection is row-parallel."""
+    la, tp, t = spec.linear_attn, pos.config.tp, pos.tp_rank
+    assert la is not None
+    if part == "lin.out":
+        n = shape[1] // tp
+        return Part(ROW, (slice(None), slice(t * n, (t + 1) * n)))
+    if part in ("lin.qkv", "lin.conv"):
+        kd, vd = la.key_dim // tp, la.value_dim // tp
+        return Part(COLUMN, pieces=((t * kd, kd), (la.key_dim + t * kd, kd), (2 * la.key_dim + t * vd, vd)))
+    n = shape[0] // tp  # z [Vd, C], a and b [Hv, C], dt_bias and decay [Hv]: by value heads
+    return Part(COLUMN, (slice(t * n, (t + 1) * n),))
+
+
 def _experts_part(part: str, shape: tuple[int, ...], pos: RankPosition) -> Part:
     """This expert group's experts; each expert's width split across tensor ranks ([E, I, C] rows,
     [E, C, I] columns, [E, I] biases); the down bias [E, C] is whole (one tensor rank adds it)."""
@@ -184,4 +209,6 @@ def _experts_part(part: str, shape: tuple[int, ...], pos: RankPosition) -> Part:
 
 def read_part(weights: WeightReader, name: str, part: Part) -> np.ndarray:
     """This rank's part of `name`: the whole weight when replicated, else only the box's values."""
+    if part.pieces:
+        return np.concatenate([weights.load_region(name, (slice(a, a + n),)) for a, n in part.pieces])
     return weights.load_region(name, part.region) if part.region else weights.load(name)

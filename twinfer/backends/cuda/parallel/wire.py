@@ -11,7 +11,7 @@ import torch
 
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 
-STEP, STOP = 1, 2
+STEP, STOP, RELEASE = 1, 2, 3  # RELEASE: the header's second field is the seq_id
 _MODES = list(LogitsWanted)
 _FIELDS = 5
 
