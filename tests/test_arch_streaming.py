@@ -1,8 +1,10 @@
-"""Batch-1 expert streaming for glm4_moe, deepseek_v3 and gpt_oss: sigmoid routers with score biases
-and group-limited top-k, gpt-oss's router and expert biases and clamped SwiGLU, run from the file
-through an expert cache of half the experts' bytes, give the resident run's greedy tokens.
+"""Batch-1 expert streaming for glm4_moe, deepseek_v3, gpt_oss, gemma4 (MoE) and the sparse-attention
+models: sigmoid routers with score biases and group-limited top-k, gpt-oss's router and expert biases
+and clamped SwiGLU, Gemma 4's router input and per-expert scale, DSA's indexer beside its experts, run
+from the file through an expert cache of half the experts' bytes, give the resident run's greedy tokens.
 
-The tiny checkpoints are test_arch_logits' (transformers configs, random weights, fp32 safetensors).
+The tiny checkpoints are test_arch_logits' (transformers configs, random weights, fp32 safetensors),
+test_arch_gemma4's and test_arch_dsa's.
 """
 
 from __future__ import annotations
@@ -51,11 +53,36 @@ def test_reader_matches_loaded_experts() -> None:
         assert not any(is_expert_weight(n) for n in weights.names() if n.endswith("_bias"))
 
 
+NEW_FAMILIES = [(c, b) for c in ("gemma4:moe-keqv", "dsa:glm_moe_dsa-b", "dsa:deepseek_v32-a") for b in ("torch", "mlx")]
+
+
+def _folder(case: str) -> Path:
+    family, _, name = case.partition(":")
+    if family == "gemma4":
+        from test_arch_gemma4 import saved as gemma4_saved
+
+        return gemma4_saved(name)
+    if family == "dsa":
+        from test_arch_dsa import saved as dsa_saved
+
+        return dsa_saved(name)
+    return saved(case)
+
+
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("case", CASES)
 def test_streamed_greedy_equals_resident_at_half_budget(case: str, backend: str) -> None:
+    _check(case, backend)
+
+
+@pytest.mark.parametrize(("case", "backend"), NEW_FAMILIES)
+def test_new_families_stream_at_half_budget(case: str, backend: str) -> None:
+    _check(case, backend)
+
+
+def _check(case: str, backend: str) -> None:
     stream, full = _runners(backend)
-    loaded = load_model(saved(case))
+    loaded = load_model(_folder(case))
     spec = loaded.spec
     assert spec.moe is not None
     want = greedy_tokens(full(loaded, kv_tokens=64), PROMPT, STEPS)  # type: ignore[operator]
@@ -65,7 +92,10 @@ def test_streamed_greedy_equals_resident_at_half_budget(case: str, backend: str)
     runner = stream(loaded, cache_bytes=half, kv_tokens=64)  # type: ignore[operator]
     cache = runner.ops.cache
     try:
-        assert greedy_tokens(runner, PROMPT, STEPS) == want
+        got = greedy_tokens(runner, PROMPT, STEPS)
+        print(f"{case} {backend}: {cache.stats.misses} misses, {cache.stats.evictions} evictions, "
+              f"{cache.resident_bytes} of {half} bytes resident")
+        assert got == want
         assert cache.stats.misses > 0 and cache.stats.evictions > 0  # the cache really turned over
         assert cache.resident_bytes <= half
     finally:
