@@ -176,3 +176,49 @@ def test_argument_fragments_join_to_the_final_arguments(family: str, text: str) 
     one_by_one = run(parser_for(family, NAMES), list(text))
     fragments = [p for p in one_by_one.parts if p.arguments]
     assert len(joined_parts(one_by_one)) == len(one_by_one.calls) and len(fragments) > len(one_by_one.calls)
+
+
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+RUNAWAY = {  # a forced reply whose model writes the same call again and again (cut mid-repetition)
+    "generic": '{"tool_calls": [' + PARIS + ", " + PARIS + ", " + PARIS[:30],
+    "hermes": f"<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{PARIS[:20]}",
+}
+
+
+@pytest.mark.parametrize("family", sorted(RUNAWAY))
+def test_a_repeated_call_ends_the_calls_and_is_never_streamed(family: str) -> None:
+    for chunks in [list(RUNAWAY[family]), [RUNAWAY[family]]]:
+        parser = parser_for(family, NAMES)
+        d = Delta()
+        for c in chunks:
+            d.extend(parser.feed(c))
+            if parser.done:
+                break
+        assert parser.done, chunks
+        d.extend(parser.finish())
+        assert calls(d) == [("get_weather", {"city": "Paris"})] and d.failures == 0 and d.content.strip() == ""
+        assert {p.index for p in d.parts} <= {d.calls[0].index}  # the repetition sent nothing
+
+
+def test_a_second_call_is_held_while_it_could_repeat_the_first_then_streams() -> None:
+    text = '{"tool_calls": [' + PARIS + ', {"name": "get_weather", "arguments": {"city": "Pau"}}]}'
+    parser = parser_for("generic", NAMES)
+    second_at = len('{"tool_calls": [' + PARIS + ', {"name": "get_weather", "arguments": {"city": "Pa')
+    d = Delta()
+    for i, ch in enumerate(text):
+        step = parser.feed(ch)
+        if i < second_at:  # "Pa" could still be "Paris": nothing of the second call is out
+            assert all(p.index == 0 for p in step.parts)
+        d.extend(step)
+    d.extend(parser.finish())
+    assert calls(d) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Pau"})]
+    assert joined_parts(d)[1] == (d.calls[1].id, "get_weather", '{"city": "Pau"}') and not parser.done
+
+
+@pytest.mark.parametrize("family,text", [
+    ("generic", '{"tool_calls": [' + PARIS + ', {"name": "search", "arguments": {"q": "rai'),
+    ("mistral", "[TOOL_CALLS] [" + PARIS + ', {"name": "search", "arguments": {"q"'),
+])
+def test_a_list_cut_by_max_tokens_keeps_its_complete_calls(family: str, text: str) -> None:
+    d = run(parser_for(family, NAMES), list(text))
+    assert calls(d) == [("get_weather", {"city": "Paris"})] and d.content == "" and d.failures == 0

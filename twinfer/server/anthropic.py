@@ -182,6 +182,7 @@ async def messages(state: ServerState, request: Request, body: MessagesRequest) 
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     choices = await submit(engine, ids, params, 1, message_id, 0)
     f = Follower(message_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())
+    f.cancel = choices[0].cancel
     if body.stream:
         return StreamingResponse(_events(request, choices, f, knobs.stop), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
@@ -200,8 +201,11 @@ def _blocks(out: Delta) -> list[dict[str, Any]]:
 
 
 def _tool_use(c: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
-            "input": json.loads(c.arguments)}
+    return {"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": json.loads(c.arguments)}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def _stop(f: Follower, stops: list[str]) -> tuple[str, str | None]:
@@ -231,6 +235,7 @@ class _BlockStream:
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
+        self.streamed: set[str] = set()  # ids of the calls whose blocks were streamed in parts
 
     def start(self, kind: str, block: dict[str, Any]) -> list[str]:
         events = self.close()
@@ -258,7 +263,16 @@ class _BlockStream:
             if self.open != "text":
                 events += self.start("text", {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": d.content}))
+        for p in d.parts:  # a call streamed as generated: its block opens on its name, then its arguments
+            if p.id is not None:
+                self.streamed.add(p.id)
+                block = {"type": "tool_use", "id": _tool_use_id(p.id), "name": p.name, "input": {}}
+                events += self.start("tool_use", block)
+            if p.arguments:
+                events.append(self._delta({"type": "input_json_delta", "partial_json": p.arguments}))
         for c in d.calls:
+            if c.id in self.streamed:
+                continue
             block = {**_tool_use(c), "input": {}}
             events += self.start("tool_use", block)
             events.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -54,6 +55,8 @@ class Follower:
         self.text_offset = 0  # completions logprobs: characters before the next token
         self._special: StreamDecoder | None = None
         self._streamed: set[str] = set()  # ids of the calls sent in parts
+        self.cancel: Callable[[], None] | None = None  # stops the engine request (set once submitted)
+        self._cut = False  # the parser found the reply's calls over and the request was stopped
 
     def feed(self, out: RequestOutput) -> Delta:
         """Take one engine delta; returns what it adds to the choice (for a stream chunk)."""
@@ -68,6 +71,9 @@ class Follower:
         delta = self.parser.feed(self._text(out))
         if out.finished:
             delta.extend(self.parser.finish())
+        elif self.parser.done and not self._cut and self.cancel is not None:
+            self._cut = True
+            self.cancel()
         self.out.extend(delta)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
@@ -78,7 +84,8 @@ class Follower:
             self.kv_transfer_params = out.kv_transfer_params
             self.cost = with_server_time(out.cost, (now - self.arrival) * 1000.0) if out.cost else None
             reason = out.finish_reason or "stop"
-            self.finish_reason = "tool_calls" if self.out.calls and reason == "stop" else reason
+            ended = reason == "stop" or (self._cut and reason in ("abort", "length"))
+            self.finish_reason = "tool_calls" if self.out.calls and ended else reason
             self._record(now)
         return delta
 

@@ -42,6 +42,10 @@ class Choice:
         out: RequestOutput = await self.stream.__anext__()
         return out
 
+    def cancel(self) -> None:
+        """Stop generating; the choice's last output still arrives."""
+        self.stream.cancel()
+
     async def aclose(self) -> None:
         await self.stream.aclose()
 

@@ -22,6 +22,28 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
                 "json_allowed_escapes": 'nt"\\'}
 
 
+# An integer a schema leaves unbounded is held to I-JSON's exact range (RFC 7493: what every JSON parser
+# reads without loss), so its digits end: small models otherwise write digits until max_tokens.
+SAFE_INTEGERS = (-(2**53 - 1), 2**53 - 1)
+_DATA_KEYS = ("const", "enum", "default", "examples")  # values here are data, not schemas
+
+
+def bounded_integers(schema: Any) -> Any:
+    """`schema` with SAFE_INTEGERS bounds on every integer that has none (a copy; the input is unchanged)."""
+    if isinstance(schema, list):
+        return [bounded_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYS else bounded_integers(v) for k, v in schema.items()}
+    kinds = out.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = SAFE_INTEGERS[0]
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGERS[1]
+    return out
+
+
 class GrammarError(RequestError):
     """A constraint that cannot be compiled (bad schema or grammar, or over the time limit)."""
 
@@ -68,7 +90,8 @@ class Constraint:
         m = llguidance.LLMatcher
         try:
             if self.kind == "json_schema":
-                return m.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                schema = json.dumps(bounded_integers(json.loads(self.text)))
+                return m.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             if self.kind == "json_object":
                 return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             if self.kind == "regex":

@@ -137,6 +137,11 @@ class RequestStream(AsyncIterator[RequestOutput]):
             self._finish()
         return item
 
+    def cancel(self) -> None:
+        """Stop the request but keep the stream: its last output (finish_reason "abort") still comes."""
+        if not self._done:
+            self._owner.abort(self.request_id)
+
     async def aclose(self) -> None:
         """Abort the request if it is still running (idempotent)."""
         if not self._done:

@@ -59,7 +59,11 @@ class Delta:
 
 
 class OutputParser(Protocol):
-    """Turns one request's streamed text into content, reasoning and tool calls."""
+    """Turns one request's streamed text into content, reasoning and tool calls. `done` turns true
+    when the rest of the reply is unwanted (its calls are over): the server then stops generating."""
+
+    @property
+    def done(self) -> bool: ...
 
     def feed(self, text: str) -> Delta: ...
 
@@ -68,6 +72,8 @@ class OutputParser(Protocol):
 
 class PlainText:
     """Everything is content."""
+
+    done = False
 
     def feed(self, text: str) -> Delta:
         return Delta(content=text)

@@ -13,13 +13,14 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from twinfer.runtime.constraints.spec import JSON_OPTIONS
+from twinfer.runtime.constraints.spec import JSON_OPTIONS, bounded_integers
 
 GENERIC_INSTRUCTIONS = """You can call these functions (each with a JSON Schema of its arguments):
 {tools}
 To call {how}, reply with only this JSON and nothing else:
 {{"tool_calls": [{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}]}}
-Otherwise, reply normally."""
+A function's result comes back in the next message. When you have the results you need, or need no
+function, reply in plain text."""
 
 
 # A forced reply holds at most this many calls: a base model given room for parallel calls repeats
@@ -55,7 +56,7 @@ def _any_call(functions: list[dict[str, Any]], args_key: str = "arguments") -> d
 
 
 def _json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return "%json " + json.dumps({**bounded_integers(schema), "x-guidance": JSON_OPTIONS})
 
 
 def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -> str:
@@ -104,7 +105,7 @@ def auto_grammar(family: str, functions: list[dict[str, Any]]) -> str | None:
 
     trigger, begin, end = _TRIGGERS[family]
     tags = [StructTag(trigger=trigger, begin=begin.format(name=f["name"]), end=end,
-                      grammar={**f["parameters"], "x-guidance": JSON_OPTIONS}) for f in functions]
+                      grammar={**bounded_integers(f["parameters"]), "x-guidance": JSON_OPTIONS}) for f in functions]
     return str(StructTag.to_grammar(tags, assume_special=False))
 
 
@@ -122,8 +123,12 @@ def generic_messages(functions: list[dict[str, Any]], parallel: bool
 
     def rewrite(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        names: dict[str, str] = {}  # tool_call_id -> function name, for the results that follow
         for m in messages:
-            m = _plain_turn(m)
+            for c in m.get("tool_calls") or [] if m.get("role") == "assistant" else []:
+                if isinstance(c, dict) and isinstance(c.get("id"), str):
+                    names[c["id"]] = (c.get("function") or {}).get("name", "")
+            m = _plain_turn(m, names)
             if out and out[-1]["role"] == m["role"] == "user":
                 out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + m["content"]}
             else:
@@ -137,7 +142,7 @@ def generic_messages(functions: list[dict[str, Any]], parallel: bool
     return rewrite
 
 
-def _plain_turn(m: dict[str, Any]) -> dict[str, Any]:
+def _plain_turn(m: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     role = m.get("role")
     if role == "assistant" and m.get("tool_calls"):
         calls = []
@@ -147,9 +152,14 @@ def _plain_turn(m: dict[str, Any]) -> dict[str, Any]:
             if isinstance(args, str):
                 with contextlib.suppress(ValueError):  # not JSON: the model sees it as written
                     args = json.loads(args) if args.strip() else {}
-            calls.append({"name": fn.get("name"), "arguments": args})
-        return {"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
+            calls.append(f"{fn.get('name')}({json.dumps(args, ensure_ascii=False)})")
+        # Past calls read as prose: a small model copies a JSON call it sees in the history, and would
+        # call again instead of answering from the result that follows.
+        said = _text(m.get("content")).strip()
+        return {"role": "assistant", "content": (said + "\n" if said else "") + f"I called {' and '.join(calls)}."}
     if role == "tool":
-        who = f" ({m['name']})" if m.get("name") else ""
-        return {"role": "user", "content": f"Result of the function call{who}: {_text(m.get('content'))}"}
+        name = m.get("name") or names.get(m.get("tool_call_id") or "", "")
+        who = f" {name}" if name else ""
+        return {"role": "user", "content": f"The function{who} returned: {_text(m.get('content'))}\n"
+                                           "Use this result: answer in plain text, or call another function."}
     return {**m, "content": _text(m.get("content"))}

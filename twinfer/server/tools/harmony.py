@@ -23,6 +23,7 @@ _CHANNEL = re.compile(r"<\|channel\|>(\w+)")
 
 class HarmonyParser:
     wants_special_tokens = True
+    done = False  # harmony ends a call turn on <|call|>, an end-of-generation token
 
     def __init__(self, names: Collection[str]):
         self.names = names

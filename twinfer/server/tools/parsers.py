@@ -9,7 +9,8 @@
 - `generic` (templates without tool support, see docs/api.md): the reply is
   `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
 A call that does not parse, or names no known function, comes back as content and is counted in
-`Delta.failures`.
+`Delta.failures`. A reply cut short (`max_tokens`, or a call repeated word for word: `done`) keeps the
+calls that are complete.
 """
 
 from __future__ import annotations
@@ -56,7 +57,14 @@ class TaggedParser:
         self.inside = False
         self.streams = CallStreams(names)
 
+    @property
+    def done(self) -> bool:
+        """The reply's calls are over (a call repeated an earlier one); the rest may be cut."""
+        return self.streams.repeated
+
     def feed(self, text: str) -> Delta:
+        if self.done:
+            return Delta()
         self.buf += text
         out = Delta()
         while True:
@@ -75,6 +83,9 @@ class TaggedParser:
                 self.streams.show(self.buf, out)
                 return out
             self.streams.show(self.buf[:j], out)
+            if self.done:
+                self.buf = ""
+                return out
             self._call(self.buf[:j], out, self.buf[: j + len(self.close_tag)])
             self.buf, self.inside = self.buf[j + len(self.close_tag) :], False
 
@@ -92,9 +103,12 @@ class TaggedParser:
 
     def finish(self) -> Delta:
         out = Delta()
-        if self.inside:  # an unclosed call: take it if its JSON is complete
+        if self.done:  # what follows a repeated call is dropped
+            pass
+        elif self.inside:  # an unclosed call: take it if its JSON is complete
             self.streams.show(self.buf, out)
-            self._call(self.buf, out, self.buf)
+            if not self.done:
+                self._call(self.buf, out, self.buf)
         else:
             out.content += self.buf
         self.buf, self.inside = "", False
@@ -116,9 +130,16 @@ class WholeReplyParser:
         self.holding: bool | None = None  # None: undecided (only whitespace or a tag prefix so far)
         self.streams = CallStreams(names)
 
+    @property
+    def done(self) -> bool:
+        """The reply's calls are over (a call repeated an earlier one); the rest may be cut."""
+        return self.streams.repeated
+
     def feed(self, text: str) -> Delta:
         if self.holding is False:
             return Delta(content=text)
+        if self.done:
+            return Delta()
         self.buf += text
         head = self.buf.lstrip()
         if any(head.startswith(s) for s in self.starts):
@@ -138,8 +159,11 @@ class WholeReplyParser:
             return Delta(content=text)
         out = Delta()
         self.streams.show(text, out)
-        calls = self._parse(text.strip())
+        calls = None if self.done else self._parse(text.strip())
         if calls is None:
+            complete = self.streams.complete(text)  # a list cut short keeps its complete calls
+            if complete:
+                return out.extend(Delta(calls=complete))
             return out.extend(Delta(content=text, failures=1))
         return out.extend(Delta(calls=self.streams.settle(text, calls)))
 

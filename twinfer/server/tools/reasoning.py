@@ -23,6 +23,10 @@ class ReasoningParser:
         self.buf = ""
         self.lead = False  # just after </think>: the newlines that separate it from the answer are dropped
 
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
     def feed(self, text: str) -> Delta:
         if self.state == "answer":
             return self._answer(text)

@@ -7,6 +7,11 @@ its argument text; when the call completes, its `arguments` are exactly the piec
 parser has decided a region's calls, lets it number them and match them to what was streamed
 (`settle`). A call the parser then finds malformed has already been sent in part; it also comes back
 as content and is counted, as before.
+
+A call that repeats an earlier call of the reply word for word (same name, same argument text) ends
+the reply's calls (`repeated`): small models given room for several calls write the same one until
+`max_tokens`. Such a call is never streamed: a later call whose text so far could still become a
+repetition is held back until it differs.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class _Open:
     start: int  # where the arguments begin in the region's text
     sent: int = 0  # characters of the arguments already streamed
     end: int | None = None
+    announced: bool = False  # its id and name went out
+    repeat: bool = False  # complete, and word for word an earlier call
 
 
 class CallStreams:
@@ -62,6 +69,8 @@ class CallStreams:
         self.names = names
         self.count = 0
         self.region: list[_Open] = []  # calls streamed from the current region
+        self.done: list[tuple[str, str]] = []  # (name, argument text) of every complete call so far
+        self.repeated = False  # a complete call repeated an earlier one: the reply's calls are over
 
     def new_region(self) -> None:
         self.region = []
@@ -70,11 +79,12 @@ class CallStreams:
         """The current region's text so far (JSON calls): stream what is new of its calls."""
         pos = 0
         for call in self.region:
-            self._advance(call, text, out)
             if call.end is None:
+                self._advance(call, text, out)
+            if call.end is None or self.repeated:
                 return
             pos = call.end
-        while (m := HEAD.search(text, pos)) is not None and m.group(1) in self.names:
+        while not self.repeated and (m := HEAD.search(text, pos)) is not None and m.group(1) in self.names:
             call = self.begin(m.group(1), out, m.end())
             self._advance(call, text, out)
             if call.end is None:
@@ -82,23 +92,58 @@ class CallStreams:
             pos = call.end
 
     def begin(self, name: str, out: Delta, start: int = 0) -> _Open:
-        """A call whose arguments start at `start` of the region: its id and name go out now."""
+        """A call whose arguments start at `start` of the region: its id and name go out now, unless
+        it may yet repeat an earlier call."""
         call = _Open(self.count, new_call_id(), name, start)
         self.count += 1
         self.region.append(call)
-        out.parts.append(CallPart(call.index, id=call.id, name=name))
+        if not any(n == name for n, _ in self.done):
+            self._announce(call, out)
         return call
+
+    def _announce(self, call: _Open, out: Delta) -> None:
+        call.announced = True
+        out.parts.append(CallPart(call.index, id=call.id, name=call.name))
+
+    def complete(self, text: str) -> list[ToolCall]:
+        """The region's complete calls before any repetition (what a cut reply still holds), numbered."""
+        calls = []
+        for call in self.region:
+            if call.end is None:
+                break
+            if call.repeat:
+                break
+            raw = text[call.start : call.end]
+            try:
+                json.loads(raw)
+            except ValueError:
+                break
+            calls.append(ToolCall(call.name, raw, call.id, call.index))
+        self.region = []
+        return calls
 
     def body(self, text: str, out: Delta, final: bool = False) -> None:
         """The region is one call's arguments (a harmony message body): stream `text` as it grows."""
         call = self.region[-1]
+        if not call.announced:
+            self._announce(call, out)
         if final:
             call.end = len(text)
         self._send(call, text[call.start : len(text)], out)
 
     def _advance(self, call: _Open, text: str, out: Delta) -> None:
         call.end = object_end(text, call.start)
-        self._send(call, text[call.start : call.end if call.end is not None else len(text)], out)
+        arguments = text[call.start : call.end if call.end is not None else len(text)]
+        if call.end is not None:
+            if (call.name, arguments) in self.done:
+                call.repeat = self.repeated = True
+                return
+            self.done.append((call.name, arguments))
+        if not call.announced:
+            if call.end is None and any(n == call.name and a.startswith(arguments) for n, a in self.done):
+                return  # it may still become a repetition
+            self._announce(call, out)
+        self._send(call, arguments, out)
 
     @staticmethod
     def _send(call: _Open, arguments: str, out: Delta) -> None:
