@@ -26,7 +26,7 @@ import numpy as np
 from twinfer.quant.kl import KLAccumulator, KLReport
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.corpus import corpus_text
-from twinfer.runtime.errors import TwinferError
+from twinfer.runtime.errors import TwinferError, require
 from twinfer.runtime.model_path import resolve_path
 from twinfer.runtime.runner import Runner
 from twinfer.runtime.spec import ModelSpec
@@ -76,11 +76,10 @@ class TransformersSource:
     """Hugging Face transformers in fp32 on the same file (GGUF through transformers' own loader)."""
 
     def __init__(self, path: Path):
-        try:
-            import torch
-            from transformers import AutoModelForCausalLM
-        except ImportError as exc:
-            raise TwinferError(f"the transformers reference needs torch and transformers: {exc}") from exc
+        require("the transformers reference", "torch", "transformers", "accelerate")
+        import torch
+        from transformers import AutoModelForCausalLM
+
         kwargs: dict[str, object] = {"dtype": torch.float32}
         if path.is_file():
             kwargs["gguf_file"] = path.name

@@ -6,6 +6,8 @@ traceback.
 
 from __future__ import annotations
 
+import importlib
+
 
 class TwinferError(Exception):
     """Base class of errors caused by the user's input or environment, not by a twinfer bug.
@@ -47,3 +49,24 @@ class RequestError(TwinferError):
 
 class PlanError(TwinferError):
     """A plan that does not fit, or planner input that makes no sense."""
+
+
+class MissingPackage(TwinferError):
+    """An optional package a command needs is not installed."""
+
+
+# The extra of twinfer's pyproject that brings each optional module, and the pip name where it differs.
+EXTRAS = {"torch": ("cuda", "torch"), "triton": ("cuda", "triton"), "mlx": ("metal", "mlx"),
+          "transformers": ("reference", "transformers"), "accelerate": ("reference", "accelerate"),
+          "llama_cpp": (None, "llama-cpp-python"), "llguidance": (None, "llguidance")}
+
+
+def require(purpose: str, *modules: str) -> None:
+    """Raise one line naming the first of `modules` that does not import, and how to install it."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            extra, pip_name = EXTRAS.get(module, (None, module))
+            how = f"pip install 'twinfer[{extra}]'" if extra else f"pip install {pip_name}"
+            raise MissingPackage(f"{purpose} needs the {pip_name} package, which is not installed: {how}") from None
