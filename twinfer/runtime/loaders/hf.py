@@ -18,7 +18,7 @@ from twinfer.runtime.loaders.published import PublishedWeightSet, read_layout
 from twinfer.runtime.loaders.published import pack as pack_layout
 from twinfer.runtime.loaders.safetensors_file import SafetensorsTensor, read_safetensors
 from twinfer.runtime.loaders.weights import WeightSet
-from twinfer.runtime.models import architecture, model_for, supported_types
+from twinfer.runtime.models import architecture, model_for, not_yet, supported_types
 from twinfer.runtime.spec import FULL, LINEAR, SLIDING, ModelSpec
 
 if TYPE_CHECKING:  # the architecture files import the loaders' name machinery
@@ -71,10 +71,9 @@ def read_config(folder: Path) -> dict[str, Any]:
 def _architecture(config: dict[str, Any]) -> Architecture:
     model_type = config.get("model_type")
     arch = architecture(model_type)
-    if arch is None:
-        raise UnsupportedArchitecture(
-            f"unsupported model_type {model_type!r} in config.json; twinfer runs {', '.join(supported_types())}"
-        )
+    if arch is None:  # a type recognised but not run yet says what it lacks
+        raise UnsupportedArchitecture(not_yet(model_type) or (
+            f"unsupported model_type {model_type!r} in config.json; twinfer runs {', '.join(supported_types())}"))
     return arch
 
 

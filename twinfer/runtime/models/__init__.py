@@ -61,8 +61,23 @@ GGUF_ARCHS: dict[str, str] = {
 }
 
 
+# model_types twinfer recognises but does not run yet -> the file whose `refusal()` names what is missing
+NOT_YET: dict[str, str] = {
+    "deepseek_v4": "deepseek_v4",
+}
+
+
 def supported_types() -> list[str]:
     return sorted(MODEL_TYPES)
+
+
+def not_yet(model_type: object) -> str | None:
+    """Why twinfer does not run `model_type` yet (one line), or None for a type it does not recognise."""
+    module_name = NOT_YET.get(model_type) if isinstance(model_type, str) else None
+    if module_name is None:
+        return None
+    reason: str = importlib.import_module(f"twinfer.runtime.models.{module_name}").refusal()
+    return reason
 
 
 def _load(module_name: str) -> Architecture:
