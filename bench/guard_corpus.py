@@ -143,7 +143,7 @@ def json_docs() -> list[Doc]:
 
 # -- loops ----------------------------------------------------------------------------------------------
 LOOP_UNITS = {
-    "one token": [" yes", " the", "ok", " Paris", "是"],
+    "one token": [" yes", " the", "ok", " Paris", "你好"],
     "word": [" hello", " banana", " indeed", " loop"],
     "phrase 2-8 tokens": [" the cat", " I think so", " and then we went", " it is what it is,",
                           " over and over again and", " `foo` is not defined."],
@@ -173,22 +173,27 @@ def first_trip(guard: LoopGuard, ids: list[int], cfg: GuardConfig, start: int = 
 
 
 def run_corpus(guard: LoopGuard, tok: Tokenizer, docs: list[Doc], cfg: GuardConfig) -> dict[str, Any]:
-    tripped, tokens, started = [], 0, time.perf_counter()
+    """Every document as a generation's output, the guard asked after each token: which ones it cuts,
+    and its CPU time per token."""
+    tripped, tokens, seconds = [], 0, 0.0
     for name, text in docs:
         ids = encode(tok, text)
         tokens += len(ids)
+        started = time.process_time()
         n = first_trip(guard, ids, cfg)
+        seconds += time.process_time() - started
         if n is not None:
             loop = guard.find(ids, cfg, n)
             tripped.append({"doc": name, "at": n, "loop": asdict(loop) if loop else None,
                             "text": tok.decode(ids[max(0, n - 40) : n])})
     return {"docs": len(docs), "tokens": tokens, "tripped": len(tripped), "rate": len(tripped) / max(len(docs), 1),
-            "trips": tripped[:20], "seconds": round(time.perf_counter() - started, 1)}
+            "trips": tripped[:20], "guard_us_per_token": round(seconds / max(tokens, 1) * 1e6, 2)}
 
 
-def run_loops(guard: LoopGuard, tok: Tokenizer, prefixes: list[str], cfg: GuardConfig, budget: int = 8192
-              ) -> dict[str, Any]:
-    """Each loop unit repeated after each prefix until `budget` loop tokens: caught or not, and how far in."""
+def run_loops(guard: LoopGuard, tok: Tokenizer, prefixes: list[str], cfg: GuardConfig) -> dict[str, Any]:
+    """Each loop unit repeated after each prefix for twice the longest limit: caught or not, and how far
+    in (tokens from the loop's first one to the cut)."""
+    budget = 2 * max(cfg.filler_chars, cfg.blank_chars, cfg.text_chars)
     out: dict[str, Any] = {}
     for kind, units in LOOP_UNITS.items():
         caught, into = 0, []
@@ -212,14 +217,14 @@ def _median(xs: list[int]) -> float | None:
     return float(np.median(xs)) if xs else None
 
 
-COPIES = (2, 3, 4, 6, 8, 16)
 MIN_SPAN, MIN_CHARS = 8, 64  # shorter repeats are everywhere (a double space, "((") and far from any threshold
 
 
-def worst_repeats(guard: LoopGuard, tok: Tokenizer, docs: list[Doc], max_period: int, k: int) -> dict[str, Any]:
+def worst_repeats(guard: LoopGuard, tok: Tokenizer, docs: list[Doc], cfg: GuardConfig, k: int) -> dict[str, Any]:
     """The longest verbatim repeats (a unit of <= max_period tokens, 2+ copies back to back) in `docs`:
-    for text, the longest in tokens with at least c copies, for each c in COPIES; for blank and filler,
-    the k longest in characters."""
+    for text, the one with most copies, and the longest in characters and in tokens; for blank and
+    filler, the k longest in characters. The thresholds must stay above these."""
+    max_period, min_copies = cfg.max_period, cfg.min_copies
     found: dict[str, list[dict[str, Any]]] = {"text": [], "blank": [], "filler": []}
     for name, text in docs:
         ids = np.asarray(encode(tok, text), dtype=np.int64)
@@ -236,8 +241,11 @@ def worst_repeats(guard: LoopGuard, tok: Tokenizer, docs: list[Doc], max_period:
                 found[unit_kind(unit)].append({"doc": name, "period": p, "tokens": end - start,
                                                "copies": (end - start) // p, "chars": int(chars[end] - chars[start]),
                                                "unit": unit[:48]})
-    text = {f">={c} copies": max((r for r in found["text"] if r["copies"] >= c), key=lambda r: r["tokens"],
-                                 default=None) for c in COPIES}
+    runs, looped = found["text"], [r for r in found["text"] if r["copies"] >= min_copies]
+    text = {"most copies": max(runs, key=lambda r: r["copies"], default=None),
+            f"most characters, {min_copies}+ copies": max(looped, key=lambda r: r["chars"], default=None),
+            f"most tokens, {min_copies}+ copies": max(looped, key=lambda r: r["tokens"], default=None),
+            "most tokens, 2+ copies": max(runs, key=lambda r: r["tokens"], default=None)}
     return {"text": text, **{kind: sorted(found[kind], key=lambda r: -r["chars"])[:k] for kind in ("blank", "filler")}}
 
 
@@ -274,12 +282,13 @@ def run(args: argparse.Namespace) -> list[Result]:
         res = Result(Path(path).name if path else "default (Gemma 3 270M)")
         for name, corpus in docs.items():
             res.corpus[name] = run_corpus(guard, tok, corpus, cfg)
-            print(f"{res.tokenizer} {name}: {res.corpus[name]['tripped']}/{len(corpus)} tripped "
-                  f"({res.corpus[name]['tokens']} tokens, {res.corpus[name]['seconds']} s)", file=sys.stderr)
+            c = res.corpus[name]
+            print(f"{res.tokenizer} {name}: {c['tripped']}/{len(corpus)} tripped ({c['tokens']} tokens, "
+                  f"{c['guard_us_per_token']} us/token)", file=sys.stderr)
         res.loops = run_loops(guard, tok, loop_prefixes(), cfg)
         if args.worst:
             real = [d for name, corpus in docs.items() for d in corpus]
-            res.worst = worst_repeats(guard, tok, real, cfg.max_period, args.worst)
+            res.worst = worst_repeats(guard, tok, real, cfg, args.worst)
         results.append(res)
     return results
 

@@ -80,7 +80,7 @@ def test_corpus_sample_never_trips() -> None:
     c = corpus()
     docs = c.stdlib_docs(200) + c.prose_docs() + c.number_docs() + c.table_docs() + c.json_docs()
     tripped = [(name, n) for name, text in docs if (n := first_trip(ids(text))) is not None]
-    assert len(docs) == 200 + 79 + 9 + 16 + 7
+    assert len(docs) >= 300  # 200 + the reference's topics (79 on 3.11) + 32 generated
     assert tripped == []
 
 
@@ -198,12 +198,12 @@ LOOPY = "Repeat after me forever: yes yes yes yes yes yes yes yes yes yes yes ye
 
 def test_end_to_end_finish_reason_loop() -> None:
     e = _engine()
-    out = e.generate([LOOPY], SamplingParams(max_tokens=160, temperature=0.0))[0]
+    out = e.generate([LOOPY], SamplingParams(max_tokens=96, temperature=0.0))[0]
     assert out.finish_reason == "loop", out.text
     assert len(out.token_ids) <= CFG.text_copies + 8  # the model says " yes" at once: cut at text_copies
     assert e.metrics.guard_trips >= 1
-    off = e.generate([LOOPY], SamplingParams(max_tokens=48, temperature=0.0, guard=GuardConfig(enabled=False)))[0]
-    assert off.finish_reason == "length" and len(off.token_ids) == 48
+    off = e.generate([LOOPY], SamplingParams(max_tokens=32, temperature=0.0, guard=GuardConfig(enabled=False)))[0]
+    assert off.finish_reason == "length" and len(off.token_ids) == 32
 
 
 def test_grammar_bounded_repeats_are_not_cut() -> None:
@@ -218,7 +218,7 @@ def test_grammar_bounded_repeats_are_not_cut() -> None:
 def test_retry_with_fresh_seed() -> None:
     e = _engine()
     before = e.metrics.guard_retries
-    params = SamplingParams(max_tokens=96, temperature=0.0, seed=7, guard=GuardConfig(retries=2))
+    params = SamplingParams(max_tokens=72, temperature=0.0, seed=7, guard=GuardConfig(retries=2))
     out = e.generate([LOOPY], params)[0]
     retried = e.metrics.guard_retries - before
     assert 1 <= retried <= 2

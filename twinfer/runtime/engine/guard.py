@@ -29,6 +29,7 @@ import numpy as np
 from twinfer.runtime.engine.params import GuardConfig
 
 _HEX_LETTERS = frozenset("abcdefABCDEFxX")  # 0x1f, \xff, deadbeef: digits, not words
+UNIT_CACHE = 4096  # units whose kind is remembered (repeats recur token after token)
 BOUNDED_FRACTION = 0.5  # a grammar allowing under half the vocabulary bounds the token (measured: 0.97 vs 1e-4)
 
 
@@ -61,6 +62,7 @@ class LoopGuard:
     def __init__(self, piece: Callable[[int], str]):
         self._piece = piece
         self._text: dict[int, str] = {}
+        self._units: dict[tuple[int, ...], tuple[str, int]] = {}  # a unit's kind and characters
         self.trips = 0
 
     def text(self, token: int) -> str:
@@ -94,19 +96,28 @@ class LoopGuard:
             if any(p % q == 0 and p <= run for q, run in judged) or not _repeats(seq, n, p, 2 * p):
                 continue
             kind, need = self._need(seq[n - p : n], cfg)
-            if n >= need and _repeats(seq, n, p, need):
+            run = 2 * p  # grown by doubling: the cost follows the repeat, not the (long) limit
+            while run < need and _repeats(seq, n, p, min(2 * run, need)):
+                run = min(2 * run, need)
+            if run >= need:
                 return Loop(p, need, kind)
-            run = 2 * p
-            while 2 * run < need and _repeats(seq, n, p, 2 * run):
-                run *= 2
+            if run >= 2 * top:
+                return None  # every longer period is a multiple of p here, and needs no fewer tokens
             judged.append((p, run))
+            j = max(j, run // 2)  # a period q <= run / 2 repeats here only as a multiple of p: skip them
 
     def _need(self, unit: list[int], cfg: GuardConfig) -> tuple[str, int]:
         """The unit's kind and how many tokens of it in a row make a loop."""
-        text = "".join(self.text(t) for t in unit)
-        kind = unit_kind(text)
+        key = tuple(unit)
+        found = self._units.get(key)
+        if found is None:
+            if len(self._units) >= UNIT_CACHE:
+                self._units.clear()
+            text = "".join(self.text(t) for t in unit)
+            found = self._units[key] = (unit_kind(text), len(text))
+        kind, length = found
         chars = {"text": cfg.text_chars, "blank": cfg.blank_chars}.get(kind, cfg.filler_chars)
-        copies = -(-chars // max(len(text), 1))
+        copies = -(-chars // max(length, 1))
         if kind == "text":
             copies = min(copies, cfg.text_copies)
         return kind, len(unit) * max(cfg.min_copies, copies)
