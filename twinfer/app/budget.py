@@ -28,6 +28,7 @@ from twinfer.runtime.loaders import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from twinfer.planners.hardware import Cluster
+    from twinfer.planners.placement import Placement
 
 # mix name -> llama.cpp LLAMA_FTYPE_* attribute of the formats the llama.cpp quantizer writes
 _FTYPES = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q6_k": "MOSTLY_Q6_K", "q5_k_m": "MOSTLY_Q5_K_M",
@@ -48,6 +49,7 @@ class LocalStrategy:
     requantize: str | None = None  # GGUF mix to requantize to
     embed_type: str | None = None  # llama.cpp type for the token embedding / output when requantizing
     expert_cache_bytes: int | None = None
+    placement: Placement | None = None  # llama.cpp: the plan's GPU layers, host-memory experts and KV type
     prune_layers: int = 0
     predicted_bytes: int = 0
     reasons: tuple[str, ...] = field(default_factory=tuple)
@@ -60,13 +62,15 @@ class LocalStrategy:
         gets a stream per sequence from the backend's policy, which exact batching needs.
         """
         return replace(base, backend=self.backend, kv_type=self.kv_type, dtype=self.dtype,
-                       expert_cache_bytes=self.expert_cache_bytes, kv_layout="unified")
+                       expert_cache_bytes=self.expert_cache_bytes, placement=self.placement, kv_layout="unified")
 
     def summary(self) -> str:
         """One paragraph: what was chosen, what it costs, and why."""
         mb = 1e6
         parts = [f"memory budget {self.budget / mb:.0f} MB: running {self.backend} with weights {self.weights}, "
                  f"KV cache {self.kv}"]
+        if self.placement is not None and self.placement.offloads:
+            parts.append(f"llama.cpp {self.placement.args()}")
         if self.requantize:
             embed = (f", token embedding and output matrix in {self.embed_type.upper()}" if self.embed_type
                      else "")
@@ -172,15 +176,22 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
     # the type the planner priced the embedding at: a K-quant falls back on rows its blocks do not divide
     embed = plan.chosen.profile.split(s.mix, "embed")[0][0] if s.mix.embed_type else None
     return LocalStrategy(budget, "llamacpp", s.mix.label or s.mix.name, s.kv.label, kv_type=s.kv.name,
-                         requantize=requant, embed_type=embed, prune_layers=round(loaded.spec.num_layers * s.prune),
+                         requantize=requant, embed_type=embed, placement=plan.placement,
+                         prune_layers=round(loaded.spec.num_layers * s.prune),
                          predicted_bytes=int(plan.chosen.memory.used), reasons=plan.reasons[:1],
                          expected_kl=plan.chosen.kl)
 
 
 def _host() -> Cluster:
+    """This machine for a llama.cpp budget: its local GPU or Apple silicon where the installed build runs on
+    it (the plan's placement then offloads), else its CPU, which every build runs."""
+    from twinfer.planners.describe import resolve_cluster
     from twinfer.planners.probe import probe_cpu
+    from twinfer.planners.search import target_of
 
-    return probe_cpu()
+    found = resolve_cluster("auto")
+    usable = found.device.kind == "cpu" or found.llamacpp_build is not None
+    return found if usable and target_of(found) == "local" else probe_cpu()
 
 
 # -- applying it -------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from twinfer.runtime.spec import ModelSpec
 
 if TYPE_CHECKING:
     from twinfer.backends.llamacpp.options import LlamaCppOptions, RunMode
+    from twinfer.planners.placement import Placement
 
 BACKENDS = ("auto", "llamacpp", "torch", "mlx")
 KV_LAYOUTS = ("auto", "unified", "streams")  # llama.cpp's KV cache: auto picks one of the other two
@@ -95,6 +96,7 @@ class RunnerOptions:
     device: str | None = None
     parallel: tuple[int, int, int] = (1, 1, 1)  # (tp, ep, pp) on the torch backend
     expert_cache_bytes: int | None = None  # torch / MLX: routed experts streamed through a cache this size
+    placement: Placement | None = None  # llama.cpp: a plan's GPU layers, host-memory experts and KV type
 
     def __post_init__(self) -> None:
         from twinfer.backends.llamacpp.options import RUN_MODES  # no llama_cpp import: a table and a policy
@@ -115,6 +117,9 @@ class RunnerOptions:
         if self.kv_type is not None and self.backend not in ("auto", "llamacpp"):
             raise OptionError(f"a KV type ({self.kv_type}) applies to the llamacpp backend, not {self.backend}",
                               field="kv_type")
+        if self.placement is not None and self.backend not in ("auto", "llamacpp"):
+            raise OptionError(f"a llama.cpp placement applies to the llamacpp backend, not {self.backend}",
+                              field="placement")
 
 
 def open_model(model: str | None, backend: str = "auto", **options: Any) -> OpenedModel:
@@ -187,7 +192,7 @@ def llamacpp_options(loaded: LoadedModel, o: RunnerOptions) -> LlamaCppOptions:
         kv_bytes = KV_TYPE_BYTES.get(o.kv_type or "f16", 2.0)
         streams = streams_fit(loaded.spec.kv_bytes_per_token(kv_bytes), o.max_seqs, o.ctx, read_host().memory_bytes)
     return options_for_mode(o.mode, n_ctx=o.ctx, max_seqs=o.max_seqs, n_threads=o.threads, kv_type=o.kv_type,
-                            streams=streams)
+                            streams=streams, placement=o.placement)
 
 
 def _streaming_runner(loaded: LoadedModel, o: RunnerOptions) -> Runner:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from twinfer.planners.placement import Placement
+
 # Accounting granularity only: llama.cpp allocates KV per token, the engine counts blocks of this size.
 BLOCK_SIZE = 16
 # KV-cache element types (ggml_type ids) the runner accepts; the planner names formats the same way.
@@ -41,6 +43,7 @@ class LlamaCppOptions:
     kv_type: str = "f16"
     unified_kv: bool = True  # False: a stream of n_ctx cells per sequence
     huge_pages: bool | None = None  # None: decide from the host and the file's size (hugepages.wanted)
+    placement: Placement | None = None  # a plan's GPU layers and expert tensors (offload.py); None: llama.cpp's
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -55,11 +58,16 @@ class LlamaCppOptions:
             raise ValueError(f"llama.cpp runner: kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.kv_type in ("q8_0", "q4_0") and not self.flash_attn:
             raise ValueError(f"llama.cpp runner: a {self.kv_type} KV cache needs flash_attn=True (llama.cpp's V cache)")
+        if self.placement is not None and self.placement.kv_type != self.kv_type:
+            raise ValueError(f"llama.cpp runner: the placement's KV type {self.placement.kv_type} is not "
+                             f"kv_type {self.kv_type}")
 
 
 def options_for_mode(mode: RunMode, *, n_ctx: int, max_seqs: int, n_threads: int | None = None,
-                     kv_type: str | None = None, streams: bool = False) -> LlamaCppOptions:
-    """The runner options for `mode`; `streams` asks for a KV stream per sequence (`--kv-layout`).
+                     kv_type: str | None = None, streams: bool = False,
+                     placement: Placement | None = None) -> LlamaCppOptions:
+    """The runner options for `mode`; `streams` asks for a KV stream per sequence (`--kv-layout`);
+    `placement` is a plan's, whose KV type is the cache's unless `kv_type` names one.
 
     Batch-invariant runs always get streams: in one shared cache a sequence's cells land wherever the
     others left room, and llama.cpp's attention sums a sequence's cells in cell order. Only "fast"
@@ -67,5 +75,6 @@ def options_for_mode(mode: RunMode, *, n_ctx: int, max_seqs: int, n_threads: int
     """
     if mode not in RUN_MODES:
         raise ValueError(f"llama.cpp runner: mode {mode!r} is not one of {', '.join(RUN_MODES)}")
-    return LlamaCppOptions(n_ctx=n_ctx, max_seqs=max_seqs, n_threads=n_threads, kv_type=kv_type or "f16",
+    kv = kv_type or (placement.kv_type if placement is not None else "f16")
+    return LlamaCppOptions(n_ctx=n_ctx, max_seqs=max_seqs, n_threads=n_threads, kv_type=kv, placement=placement,
                            repack=mode == "fast", unified_kv=not (streams or mode == "batch-invariant"))

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from twinfer.backends.llamacpp._lib import (
 from twinfer.backends.llamacpp.amx import guard_amx, quiet_amx_notice
 from twinfer.backends.llamacpp.kv_port import LlamaCppKVPort
 from twinfer.backends.llamacpp.metadata import model_desc, model_spec
+from twinfer.backends.llamacpp.offload import AppliedPlacement, apply_placement
 from twinfer.backends.llamacpp.options import BLOCK_SIZE, KV_TYPES, LlamaCppOptions
 from twinfer.backends.llamacpp.slots import SlotKVSync
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
@@ -43,6 +44,9 @@ from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.kv.traffic import StepTraffic, kv_layer_bytes
 from twinfer.runtime.runner import ExactShapes, KVLayout, KVSync, Runner
 from twinfer.runtime.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.planners.placement import Placement
 
 # Bytes per KV element of each cache type (q8_0/q4_0: 32-element blocks of 34 and 18 bytes).
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q4_0": 18 / 32, "q8_0": 34 / 32, "bf16": 2.0}
@@ -63,9 +67,10 @@ class KVCacheFull(DecodeError):
     """llama_decode found no free KV cells for the batch (return code 1): free or preempt sequences."""
 
 
-def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | None) -> tuple[Any, int]:
-    """The model, and the bytes of its weights on huge pages (hugepages.py; None: decide from the
-    host and the file's size)."""
+def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | None,
+                placement: Placement | None = None) -> tuple[Any, int, AppliedPlacement]:
+    """The model, the bytes of its weights on huge pages (hugepages.py; None: decide from the host and
+    the file's size), and the plan's placement as its parameters got it (offload.py)."""
     if not path.exists():
         raise ModelError(f"model file not found: {path}")
     if not path.is_file():
@@ -76,6 +81,7 @@ def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | No
     params = lib.llama_model_default_params()
     if hasattr(params, "use_extra_bufts"):
         params.use_extra_bufts = repack  # CPU weight repacking: its 4-row GEMM tiles break batch invariance
+    placed = apply_placement(lib, params, placement)
     if huge_pages is None:
         huge_pages = hugepages.wanted(path.stat().st_size, thp_mode(), hugepages.mem_available())
     load = callback = None
@@ -95,7 +101,7 @@ def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | No
             f"llama.cpp could not load {path}: the file is corrupt or truncated, or its architecture is "
             "not supported by this llama.cpp; check the file (run with verbose=True for llama.cpp's log)"
         )
-    return model, load.finish() if load is not None else 0
+    return model, load.finish() if load is not None else 0, placed
 
 
 def _context_params(lib: ModuleType, o: LlamaCppOptions, n_cells: int, n_threads: int) -> Any:
@@ -187,7 +193,8 @@ class LlamaCppRunner(Runner):
         repack = o.repack and self.amx != "repack-off"  # crashing AMX kernels we could not keep out otherwise
         self.flash_attn, self.repack, self.kv_type = o.flash_attn, repack, o.kv_type
         with quiet_amx_notice(self.amx == "denied" and not o.verbose):
-            self._model, self.huge_page_bytes = _load_model(lib, self.path, repack, o.huge_pages)
+            self._model, self.huge_page_bytes, self.placed = _load_model(lib, self.path, repack, o.huge_pages,
+                                                                         o.placement)
         self.unified_kv = unified_kv = o.unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, o, total, self.n_threads)
@@ -402,7 +409,8 @@ class LlamaCppRunner(Runner):
         lib = self._lib
         info: dict[str, Any] = {
             "backend": self.backend,
-            "device": "gpu" if lib.llama_supports_gpu_offload() else "cpu",
+            "device": "gpu" if lib.llama_supports_gpu_offload() and self.placed.n_gpu_layers != 0 else "cpu",
+            "placement": self.placed.to_json(),  # n_gpu_layers (None: llama.cpp's default) and tensor overrides
             **versions(lib),
             "memory_api": self._mem.api,
             "n_threads": self.n_threads,
