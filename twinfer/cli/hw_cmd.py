@@ -24,15 +24,20 @@ def run_hw(list_table: bool, json_out: bool, measure: bool, hardware: str) -> No
         gpu = probe.measure_gpu_copy_bandwidth()
         if gpu is not None:
             measured["gpu copy bandwidth"] = gpu
-    cluster = resolve_cluster(hardware, None, None, None)
+    from twinfer.planners.llamacpp_build import read_build
+
+    cluster = resolve_cluster(hardware, None, None, None, follow_build=False)  # what was found, not what a plan falls back to
+    build = cluster.llamacpp_build or read_build()
     if json_out:
         out = cluster.device.row()
         out.update(gpus_per_node=cluster.gpus_per_node, nodes=cluster.nodes,
                    capacity_bytes_per_device=cluster.capacity_per_device, measured=measured,
-                   notes=list(cluster.notes))
+                   notes=list(cluster.notes),
+                   llamacpp_build={**build.to_json(), "runs_device": build.backend_for(cluster.device) is not None}
+                   if build else None)
         if cluster.device.cores:  # a CPU: what llama.cpp's kernels get here
             out.update(cores=cluster.device.cores, repacks=list(cluster.device.repacks),
                        huge_pages=cluster.device.huge_pages)
         print(json.dumps(out, indent=1))
     else:
-        print(render_cluster(cluster, measured))
+        print(render_cluster(cluster, measured, build))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from twinfer.planners.hardware import CPU, Cluster, Device
+from twinfer.planners.placement import GPU_BUILD_HINT, LlamaBuild
 from twinfer.planners.plan import Plan
 from twinfer.planners.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
@@ -84,7 +85,7 @@ def render_devices(rows: list[dict[str, object]]) -> str:
     return "\n".join(out)
 
 
-def render_cluster(cluster: Cluster, measured: dict[str, float]) -> str:
+def render_cluster(cluster: Cluster, measured: dict[str, float], build: LlamaBuild | None = None) -> str:
     d: Device = cluster.device
     lines = [
         f"device      {d.label} ({d.name})",
@@ -99,6 +100,12 @@ def render_cluster(cluster: Cluster, measured: dict[str, float]) -> str:
     if d.kind == CPU and d.cores:
         lines.insert(-1, f"llama.cpp   {d.cores} threads; repacks {', '.join(d.repacks) or 'no format'} into its tiles; "
                          + ("weights on transparent huge pages" if d.huge_pages else "weights on 4 KiB pages (no THP)"))
+    if build is not None:
+        lines.append(f"build       {build.describe()}")
+        backend = build.backend_for(d)
+        lines.append(f"            runs this {d.kind} with its {backend} backend" if backend else
+                     f"            {build.kind()}: cannot use this {d.kind}; plans for it assume a GPU build. "
+                     f"To get one: {GPU_BUILD_HINT}")
     lines += [f"measured    {k}: {v:.1f} {'GB/s' if k.endswith('bandwidth') else 'GFLOP/s'}" for k, v in measured.items()]
     lines += [f"note        {n}" for n in cluster.notes]
     return "\n".join(lines)
