@@ -97,6 +97,36 @@ def test_doctor_tiny_models_pass_every_lossless_stage(arch: str, root: str) -> N
     assert "llama.cpp" not in stages  # a safetensors folder has no GGUF runner
 
 
+def _new_family(name: str, root: str) -> Path:
+    """A tiny checkpoint of a newer family, from its own test's builder, with the character tokenizer."""
+    folder = Path(root) / name
+    if name == "qwen3_next":
+        from test_arch_hybrid import hf_model as hybrid_model
+
+        hybrid_model("next-a").save_pretrained(folder)
+    else:
+        from test_arch_today_moe import minimax_model
+
+        minimax_model("minimax_m2-a").save_pretrained(folder)
+    _char_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", pytest.param("minimax_m2", marks=pytest.mark.slow)])
+def test_doctor_new_families_run_their_lossless_stages(name: str, root: str) -> None:
+    """MiniMax-M2 and the recurrent Qwen3-Next pass every lossless stage, TP=2 and EP=2 included; the
+    recurrent model's speculation stage is skipped with the reason, not failed."""
+    stages = _by_name(report := run_doctor(str(_new_family(name, root)), PROMPT, tokens=32))
+    assert_lossless_pass(report)
+    for stage in ("torch", "mlx", "TP=2 (gloo)", "EP=2 (gloo)", "torch batched"):
+        assert stages[stage].passed and stages[stage].greedy_identical, "\n".join(report.lines())
+    speculation = stages["torch + ngram speculation"]
+    if name == "qwen3_next":
+        assert speculation.passed is None and "recurrent state" in speculation.skipped
+    else:
+        assert speculation.passed
+
+
 def test_doctor_tiny_moe_splits_experts(root: str) -> None:
     """qwen3_moe: TP=2 and EP=2 over gloo are lossless (the all-reduce order only)."""
     report = run_doctor(str(tiny("qwen3_moe", root)), PROMPT, tokens=32,
