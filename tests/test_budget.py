@@ -75,12 +75,13 @@ def test_default_model_llamacpp_budget_runs_the_plan(default_model: Path, tmp_pa
 
     monkeypatch.setenv("TWINFER_CACHE", str(tmp_path))
     stored = default_model.stat().st_size
-    # the file as stored needs ~434 MB at 1024 tokens with F16 KV; requantizing only the projections keeps
-    # the tied Q8_0 embedding (178 MB), so the plan fits 400 MB by requantizing the embedding too
-    session = open_session(OpenOptions(str(default_model), "llamacpp", ctx=1024, memory_budget="400MB"))
+    # the file as stored needs ~284 MB at 1024 tokens with F16 KV (the interpreter's ~150 MB on top of a
+    # budget); requantizing only the projections keeps the tied Q8_0 embedding (178 MB), so the plan fits
+    # 250 MB by requantizing the embedding too
+    session = open_session(OpenOptions(str(default_model), "llamacpp", ctx=1024, memory_budget="250MB"))
     opened, strategy = session.opened, session.strategy
     assert strategy is not None
-    assert strategy.predicted_bytes <= 400e6
+    assert strategy.predicted_bytes <= 250e6
     assert strategy.requantize is not None and strategy.embed_type is not None
     assert opened.runner.describe()  # the requantized file is what runs
     (written,) = tmp_path.glob("requant/*.gguf")

@@ -51,6 +51,7 @@ class LocalStrategy:
     expert_cache_bytes: int | None = None
     placement: Placement | None = None  # llama.cpp: the plan's GPU layers, host-memory experts and KV type
     prune_layers: int = 0
+    ctx: int | None = None  # llama.cpp: the context chosen when none was asked for (budget_gguf.fitting_context)
     predicted_bytes: int = 0
     reasons: tuple[str, ...] = field(default_factory=tuple)
     expected_kl: float | None = None
@@ -75,12 +76,16 @@ class LocalStrategy:
             embed = (f", token embedding and output matrix in {self.embed_type.upper()}" if self.embed_type
                      else "")
             parts.append(f"requantized by llama.cpp to {self.requantize.upper()}{embed}")
-        if self.expert_cache_bytes is not None:
+        if self.expert_cache_bytes is not None and self.backend == "llamacpp":
+            parts.append(f"the file mapped, dense weights resident, at most {self.expert_cache_bytes / mb:.0f} MB of "
+                         "routed-expert pages kept, the rest read from the file as tokens route to them")
+        elif self.expert_cache_bytes is not None:
             parts.append(f"routed experts streamed from the file through a {self.expert_cache_bytes / mb:.0f} MB "
                          "LRU cache with next-layer prefetch")
         if self.prune_layers:
             parts.append(f"{self.prune_layers} least influential layers pruned")
-        text = "; ".join(parts) + f" (about {self.predicted_bytes / mb:.0f} MB)."
+        on_top = ", the interpreter's ~150 MB on top" if self.backend == "llamacpp" else ""
+        text = "; ".join(parts) + f" (about {self.predicted_bytes / mb:.0f} MB{on_top})."
         if self.reasons:
             text += " " + " ".join(r.rstrip(".") + "." for r in self.reasons)
         if self.expected_kl is not None:
@@ -156,12 +161,18 @@ def _layer_bytes(loaded: LoadedModel, dtype_bytes: int) -> int:
 def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int, allow_pruning: bool,
                       hardware: Cluster | None = None) -> LocalStrategy:
     """Ask the planner for a llama.cpp plan on `hardware` (default: the probed host) with `budget` of memory."""
+    from twinfer.planners.memory import LOCAL_OVERHEAD
     from twinfer.planners.plan import make_plan
     from twinfer.planners.search import Request
     from twinfer.planners.source import profile_from_loaded
 
-    cluster = replace(hardware or _host(), memory_budget_bytes=budget)
+    # the budget is the model's (weights, KV, buffers); the interpreter's share the planner adds comes on top
+    cluster = replace(hardware or _host(), memory_budget_bytes=budget + LOCAL_OVERHEAD)
     plan = make_plan(profile_from_loaded(loaded), cluster, Request(ctx, max_seqs))
+    if plan.chosen is not None and plan.chosen.strategy.stream_fraction:  # a lossless paged plan, or a smaller file
+        from twinfer.app.budget_gguf import paged_or_requantized
+
+        return paged_or_requantized(plan.chosen, cluster, Request(ctx, max_seqs), budget)
     if not plan.fits or plan.chosen is None:
         raise PlanError(f"nothing fits --memory-budget {budget / 1e6:.0f} MB: {plan.suggestion}")
     s = plan.chosen.strategy
@@ -178,7 +189,7 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
     return LocalStrategy(budget, "llamacpp", s.mix.label or s.mix.name, s.kv.label, kv_type=s.kv.name,
                          requantize=requant, embed_type=embed, placement=plan.placement,
                          prune_layers=round(loaded.spec.num_layers * s.prune),
-                         predicted_bytes=int(plan.chosen.memory.used), reasons=plan.reasons[:1],
+                         predicted_bytes=int(plan.chosen.memory.used - LOCAL_OVERHEAD), reasons=plan.reasons[:1],
                          expected_kl=plan.chosen.kl)
 
 
@@ -205,6 +216,7 @@ class BudgetRequest:
     allow_pruning: bool = False
     threads: int | None = None  # the quantizer's, when the plan requantizes
     hardware: Cluster | None = None  # what the plan is made on; None: the probed host
+    ctx_given: bool = True  # False: `ctx` is a default that llama.cpp's plan may shrink to fit
 
 
 def fit_budget(path: Path, loaded: LoadedModel, backend: str,
@@ -213,17 +225,21 @@ def fit_budget(path: Path, loaded: LoadedModel, backend: str,
     transforms applied: the strategy, the file to run (pruned, requantized or as stored) and its model."""
     r = request
     if backend == "llamacpp":
-        strategy = llamacpp_strategy(loaded, r.budget, r.ctx, r.max_seqs, r.allow_pruning, r.hardware)
+        from twinfer.app.budget_gguf import fitting_context
+
+        ctx, why = (r.ctx, ()) if r.ctx_given else fitting_context(loaded, r.budget, r.ctx)
+        strategy = llamacpp_strategy(loaded, r.budget, ctx, r.max_seqs, r.allow_pruning, r.hardware)
+        strategy = replace(strategy, ctx=ctx, reasons=strategy.reasons + why)
     else:
         strategy = ops_strategy(loaded, backend, r.budget, r.ctx, r.max_seqs, r.allow_pruning)
     run_path = path
     if strategy.prune_layers:
         run_path = _pruned(path, strategy.prune_layers, strategy.backend)
     if strategy.requantize:
-        from twinfer.backends.llamacpp.requantize import requantize_gguf
+        from twinfer.backends.llamacpp.requantize import requantize_in_child
 
-        run_path = requantize_gguf(run_path, strategy.requantize, _FTYPES[strategy.requantize], r.threads,
-                                   embed_type=strategy.embed_type)
+        run_path = requantize_in_child(run_path, strategy.requantize, _FTYPES[strategy.requantize], r.threads,
+                                       embed_type=strategy.embed_type)
     return strategy, run_path, load_model(run_path) if run_path != path else loaded
 
 

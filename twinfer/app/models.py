@@ -146,7 +146,10 @@ def open_runner(path: Path, loaded: LoadedModel, options: RunnerOptions) -> Runn
     if o.backend == "llamacpp":
         from twinfer.backends.llamacpp.runner import LlamaCppRunner
 
-        return LlamaCppRunner(path, llamacpp_options(loaded, o), spec=loaded.spec)
+        llama = llamacpp_options(loaded, o)
+        if o.expert_cache_bytes is not None:  # a budget's paged plan: the file mapped, expert pages under this bound
+            llama = replace(llama, paged_experts_bytes=o.expert_cache_bytes, huge_pages=False)
+        return LlamaCppRunner(path, llama, spec=loaded.spec)
     if o.parallel != (1, 1, 1):
         if o.backend != "torch":
             raise BackendUnavailable(f"--tp/--ep/--pp run on the torch backend, not {o.backend}: add --backend torch")

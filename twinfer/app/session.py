@@ -113,10 +113,13 @@ def open_session(options: OpenOptions) -> Session:
     ctx = o.ctx or default_context(loaded)
     runner_options, strategy = o.runner_options(backend, ctx), None
     if o.memory_budget is not None:
-        request = BudgetRequest(parse_budget(o.memory_budget), ctx, o.max_seqs, o.allow_pruning, o.threads, o.hardware)
+        request = BudgetRequest(parse_budget(o.memory_budget), ctx, o.max_seqs, o.allow_pruning, o.threads, o.hardware,
+                                ctx_given=o.ctx is not None)
         from twinfer.runtime.tokenizer import load_tokenizer
 
         strategy, run_path, run_loaded = fit_budget(path, loaded, backend, request)
+        ctx = strategy.ctx or ctx  # a default context the budget shrank to fit
+        runner_options = replace(runner_options, ctx=ctx)
         runner = open_runner(run_path, run_loaded, strategy.runner_options(runner_options))
         opened = OpenedModel(runner, load_tokenizer(path), run_loaded, path)
     else:

@@ -15,11 +15,14 @@ from twinfer.planners.cost import Strategy, kv_shard
 from twinfer.planners.hardware import APPLE, CPU, Cluster
 from twinfer.planners.model import ModelProfile
 
+# a local run's interpreter, libraries and allocator slack (twinfer's session before a model opens: ~0.1 GB)
+LOCAL_OVERHEAD = 0.15e9
 RUNTIME_OVERHEAD = {"llamacpp": 0.3e9, "torch": 1.0e9, "mlx": 0.3e9}  # CUDA context, graphs, allocator slack
 # Runners whose cache keeps sliding-window layers at full length: twinfer's llama.cpp runner sets
 # `swa_full` so rollback and prefix copies stay exact; the torch and MLX runners page every layer's
 # KV through the same block tables, so each layer holds every token.
 FULL_LENGTH_KV = frozenset({"llamacpp", "torch", "mlx"})
+LLAMACPP_CELLS = 256  # llama.cpp allocates its KV cache in multiples of this many cells
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,10 @@ def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency
     seqs = math.ceil(max(1, concurrency) / s.dp)
     kv_tok = kv_alloc_per_token(profile, s, context)
     state = profile.spec.state_bytes_per_seq()  # linear-attention layers: a fixed state per sequence, not per token
-    kv = seqs * (kv_tok * context + state) / kv_shard(profile, s)
+    cells = -(-context // LLAMACPP_CELLS) * LLAMACPP_CELLS if s.engine == "llamacpp" else context
+    kv = seqs * (kv_tok * cells + state) / kv_shard(profile, s)
     dev = cluster.device
-    overhead = 0.15e9 if dev.kind in (APPLE, CPU) else RUNTIME_OVERHEAD.get(s.engine, 1.0e9)
+    overhead = LOCAL_OVERHEAD if dev.kind in (APPLE, CPU) else RUNTIME_OVERHEAD.get(s.engine, 1.0e9)
     return Memory(
         weights_bytes=weights, resident_weights=resident, streamed_weights=streamed, kv_bytes_per_token=kv_tok,
         kv=kv, activations=activation_bytes(profile, s, seqs), overhead=overhead,

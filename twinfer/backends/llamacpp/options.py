@@ -43,6 +43,8 @@ class LlamaCppOptions:
     kv_type: str = "f16"
     unified_kv: bool = True  # False: a stream of n_ctx cells per sequence
     huge_pages: bool | None = None  # None: decide from the host and the file's size (hugepages.wanted)
+    # weights mapped, dense ones resident, routed experts' pages held under this many bytes (paging.py)
+    paged_experts_bytes: int | None = None
     placement: Placement | None = None  # a plan's GPU layers and expert tensors (offload.py); None: llama.cpp's
     verbose: bool = False
 
@@ -54,6 +56,11 @@ class LlamaCppOptions:
                 f"n_threads >= 1 (got n_ctx={self.n_ctx}, n_batch={self.n_batch}, n_ubatch={self.n_ubatch}, "
                 f"max_seqs={self.max_seqs}, n_threads={self.n_threads})"
             )
+        if self.paged_experts_bytes is not None:
+            if self.paged_experts_bytes < 0 or self.huge_pages:
+                raise ValueError("llama.cpp runner: paged experts need mapped weights (huge_pages not True) and "
+                                 f"a bound >= 0 bytes (got {self.paged_experts_bytes})")
+            object.__setattr__(self, "huge_pages", False)  # mapped: never read into anonymous memory
         if self.kv_type not in KV_TYPES:
             raise ValueError(f"llama.cpp runner: kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.kv_type in ("q8_0", "q4_0") and not self.flash_attn:

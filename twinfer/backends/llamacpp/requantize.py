@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,6 +60,18 @@ def requantize_gguf(src: Path, mix: str, ftype: str, threads: int | None = None,
     return out
 
 
+def requantize_in_child(src: Path, mix: str, ftype: str, threads: int | None = None,
+                        embed_type: str | None = None) -> Path:
+    """`requantize_gguf` in a child process: llama.cpp's quantizer holds float32 copies and per-thread work
+    buffers (572 MB at its peak for a 79 MB BF16 MoE), which a budgeted run must never count as its own."""
+    args = [str(src), mix, ftype, str(threads or 0), embed_type or ""]
+    result = subprocess.run([sys.executable, "-m", "twinfer.backends.llamacpp.requantize", *args],
+                            stdout=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0 or not result.stdout.strip():
+        raise PlanError(f"llama.cpp could not requantize {src} to {mix} (exit code {result.returncode})")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
 EMBED, OUTPUT = "token_embd.weight", "output.weight"
 
 
@@ -88,3 +101,8 @@ def _embedding_type(src: Path, embed_type: str) -> str:
         raise PlanError(f"unknown embedding type {embed_type!r}; use a ggml type such as q4_0, q5_0, q6_k or q8_0")
     row = load_model(src).weights.shape("embed")[-1]  # (vocab, hidden): llama.cpp's ne[0] is hidden
     return written_format(name, row)
+
+
+if __name__ == "__main__":  # requantize_in_child's child: prints the written file's path
+    _src, _mix, _ftype, _threads, _embed = sys.argv[1:6]
+    print(requantize_gguf(Path(_src), _mix, _ftype, int(_threads) or None, _embed or None))

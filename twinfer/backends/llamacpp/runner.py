@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from twinfer.backends.llamacpp import hugepages
+from twinfer.backends.llamacpp import hugepages, paging
 from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
 from twinfer.backends.llamacpp._lib import (
     MemoryOps,
@@ -192,9 +192,13 @@ class LlamaCppRunner(Runner):
         self.amx = guard_amx()
         repack = o.repack and self.amx != "repack-off"  # crashing AMX kernels we could not keep out otherwise
         self.flash_attn, self.repack, self.kv_type = o.flash_attn, repack, o.kv_type
+        # mapped weights with experts paged under a bound (paging.py): which mappings of the file are llama.cpp's
+        maps_before = paging.read_maps() if o.paged_experts_bytes is not None else ""
         with quiet_amx_notice(self.amx == "denied" and not o.verbose):
             self._model, self.huge_page_bytes, self.placed = _load_model(lib, self.path, repack, o.huge_pages,
                                                                          o.placement)
+        self.pager = (paging.ExpertPager.attach(self.path, maps_before, o.paged_experts_bytes)
+                      if o.paged_experts_bytes is not None else None)
         self.unified_kv = unified_kv = o.unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, o, total, self.n_threads)
@@ -301,6 +305,8 @@ class LlamaCppRunner(Runner):
             if code != 0:
                 self._truncate_to_starts(chunks, slots)
                 raise self._decode_error(code, batch)
+            if self.pager is not None:
+                self.pager.after_step()
             if not n_out:
                 continue
             # Output rows are contiguous in batch order (llama.cpp undoes its ubatch reordering).
@@ -423,6 +429,7 @@ class LlamaCppRunner(Runner):
             "repack": self.repack,
             "huge_page_weights_mb": round(self.huge_page_bytes / 2**20),  # 0: mapped or on 4 KiB pages
             "huge_page_context_mb": round(self.huge_page_context_bytes / 2**20),  # the KV cache's, mostly
+            "paged_experts": self.pager.describe() if self.pager is not None else None,  # paging.py
             "amx": self.amx,  # none | on | denied (its kernels crash in this build: kept out) | repack-off
             "kv_type": self.kv_type,
             "unified_kv": self.unified_kv,

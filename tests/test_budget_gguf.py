@@ -1,0 +1,128 @@
+"""`--memory-budget` on a GGUF MoE bigger than the budget holds, measured from the OS.
+
+A random Qwen3-MoE (8 layers, 32 experts top-4, BF16, 79 MB) from llama.cpp's own converter, opened in a
+child process so its /proc/self/status is the model's alone:
+
+- under a budget of half its bytes, through `open_session` (what generate, chat, serve and bench call),
+  the process grows by no more than the budget plus llama.cpp's fixed costs (`FIXED`) over its baseline
+  (interpreter, libraries, tokenizer), requantizing in a child process;
+- the lossless strategy (the file mapped, experts paged under a bound) decodes the same greedy tokens as
+  the model loaded whole, while the process holds at most the dense weights, the bound and one step's
+  experts between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf_convert import _cache_root
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 2**20
+# llama.cpp's context and thread pool, the engine's buffers, huge-page rounding: fixed costs the planner keeps
+# in its interpreter overhead (planners/memory.py LOCAL_OVERHEAD), 11 MB measured on this model
+FIXED = 16 * MB
+
+_STATUS = """
+def status():
+    out = {}
+    for line in open('/proc/self/status'):
+        key, _, value = line.partition(':')
+        if key in ('VmHWM', 'VmRSS', 'RssAnon', 'RssFile'):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+"""
+
+_SESSION = _STATUS + """
+import json, sys
+from twinfer.app import OpenOptions, open_session
+from twinfer.backends.llamacpp._lib import load_llama_cpp
+from twinfer.runtime.engine import SamplingParams
+from twinfer.runtime.tokenizer import load_tokenizer
+path, budget = sys.argv[1], sys.argv[2]
+load_llama_cpp(), load_tokenizer(path)  # the baseline holds the libraries and the tokenizer
+base = status()
+session = open_session(OpenOptions(path, 'llamacpp', max_seqs=1, threads=1,
+                                   memory_budget=None if budget == 'none' else budget))
+engine = session.engine()
+out = engine.generate([list(range(3, 40))], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+print(json.dumps(dict(base=base, end=status(), tokens=out[0].token_ids, ctx=session.ctx,
+                      summary=session.strategy.summary() if session.strategy else None)))
+"""
+
+_RUNNER = _STATUS + """
+import json, sys
+from twinfer.backends.llamacpp.options import LlamaCppOptions
+from twinfer.backends.llamacpp.runner import LlamaCppRunner
+from twinfer.runtime.batch import SeqChunk, StepBatch
+from twinfer.backends.llamacpp._lib import load_llama_cpp
+path, bound = sys.argv[1], sys.argv[2]
+load_llama_cpp()
+base = status()
+paged = None if bound == 'none' else int(bound)
+runner = LlamaCppRunner(path, LlamaCppOptions(n_ctx=256, max_seqs=1, n_threads=1, huge_pages=False,
+                                              paged_experts_bytes=paged))
+table = list(range(16))
+logits = runner.step(StepBatch([SeqChunk(1, list(range(3, 40)), 0, table)]))
+token, pos, tokens, rss = int(logits[-1].argmax()), 37, [], []
+for _ in range(24):
+    logits = runner.step(StepBatch([SeqChunk(1, [token], pos, table)]))
+    token, pos = int(logits[-1].argmax()), pos + 1
+    tokens.append(token)
+    rss.append(status()['VmRSS'])
+print(json.dumps(dict(base=base, end=status(), tokens=tokens, max_rss=max(rss), pager=runner.describe()['paged_experts'])))
+"""
+
+
+def _child(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT, env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def moe_gguf() -> Path:
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("transformers")
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to measure a process's memory")
+    from moe_gguf import write_qwen3_moe_gguf
+
+    folder = _cache_root() / "budget-gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_qwen3_moe_gguf(folder, "tiny")
+
+
+def test_half_budget_holds_from_the_os(moe_gguf: Path, tmp_path: Path) -> None:
+    """The process grows by at most the budget (half the file) over its baseline; unlimited, by the file."""
+    size = moe_gguf.stat().st_size
+    budget = size // 2
+    env = {"TWINFER_CACHE": str(tmp_path)}
+    capped = _child(_SESSION, str(moe_gguf), str(budget), env=env)
+    grown = capped["end"]["VmHWM"] - capped["base"]["VmRSS"]
+    assert grown <= budget + FIXED, (grown / MB, capped["summary"])
+    assert "memory budget" in capped["summary"] and "KL" in capped["summary"]  # what was chosen, and its cost
+    whole = _child(_SESSION, str(moe_gguf), "none", env=env)
+    assert whole["end"]["VmHWM"] - whole["base"]["VmRSS"] > size  # the model as stored does not fit: a real test
+
+
+def test_paged_experts_are_lossless_and_bounded(moe_gguf: Path) -> None:
+    """Mapped with experts paged under a 6 MB bound: the same greedy tokens as the model loaded whole, and
+    between steps the process holds the dense weights, the bound and a step's experts, not the file."""
+    whole = _child(_RUNNER, str(moe_gguf), "none")
+    bound = 6 * MB
+    paged = _child(_RUNNER, str(moe_gguf), str(bound))
+    assert paged["tokens"] == whole["tokens"] and len(set(whole["tokens"])) > 1
+    pager = paged["pager"]
+    assert pager["experts_mb"] > 0.9 * moe_gguf.stat().st_size / MB and pager["trims"] > 1
+    step = 8 * 4 * 3 * 256 * 192 * 2  # a token's top-4 experts in each of 8 layers, BF16
+    held = paged["max_rss"] - paged["base"]["VmRSS"]
+    anon = paged["end"]["RssAnon"] - paged["base"]["RssAnon"]  # KV cache and compute buffers
+    assert held <= anon + (pager["dense_mb"] + 1) * MB + bound + step + 4 * MB, (held / MB, anon / MB, pager)
+    assert whole["max_rss"] - whole["base"]["VmRSS"] > moe_gguf.stat().st_size  # loaded whole: the file is held

@@ -1,0 +1,168 @@
+"""Weights mapped from the GGUF with routed experts paged under a bound: a memory budget's lossless way
+to run an MoE bigger than the budget on llama.cpp (Linux).
+
+llama.cpp maps the file (load mode "mmap", never read into anonymous memory or huge pages) and prefaults
+all of it. At batch 1 a decode step reads the dense weights and only its top-k experts per layer
+(ggml's MUL_MAT_ID skips experts no row routes to), so `ExpertPager`:
+
+- keeps the dense tensors resident: locked (`mlock`) where RLIMIT_MEMLOCK allows, else just never
+  dropped (every step touches them, so the kernel's LRU keeps them too);
+- drops the expert tensors' pages from the process right after the load (`MADV_DONTNEED`: they stay in
+  the page cache, which the kernel reclaims under pressure, and fault back in when routed to);
+- after each step, when the process's mapped file pages have grown by more than `bound` bytes since
+  then (`RssFile` in /proc/self/status, a cheap read), drops the expert pages again.
+
+So the process holds at most the dense weights plus `bound` bytes of experts plus what one step
+touches; anonymous memory (KV cache, compute buffers) is the runner's as always.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MADV_DONTNEED, MADV_WILLNEED = 4, 3
+Range = tuple[int, int]
+
+
+def is_expert(name: str) -> bool:
+    """GGUF names of routed-expert tensors (`blk.N.ffn_{gate,up,down,gate_up}_exps.weight`); shared
+    experts (`_shexp`) and the router (`ffn_gate_inp`) are dense: every token reads them."""
+    return "_exps." in name
+
+
+def file_mappings(path: Path, maps: str) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of every mapping of `path` in a /proc/PID/maps text."""
+    target = os.path.realpath(path)
+    out = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == target:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out.append((start, end, int(fields[2], 16)))
+    return out
+
+
+def read_maps() -> str:
+    """This process's /proc/self/maps ("" off Linux): what `ExpertPager.attach` compares against."""
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def rss_file() -> int:
+    """Bytes of file pages mapped into this process (RssFile), 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fn in (libc.madvise, libc.mlock):
+        fn.restype = ctypes.c_int
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _pages(ranges: list[Range]) -> list[Range]:
+    """Ranges cut to whole pages (a page shared with a neighbour of the other kind is left alone)."""
+    size = mmap.PAGESIZE
+    out = []
+    for start, end in ranges:
+        lo, hi = -(-start // size) * size, end // size * size
+        if hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+@dataclass
+class PagerStats:
+    dense_bytes: int = 0
+    expert_bytes: int = 0
+    locked_bytes: int = 0  # dense bytes mlock accepted (0 where RLIMIT_MEMLOCK is small)
+    trims: int = 0
+
+
+class ExpertPager:
+    """One mapped model's expert pages kept under `bound` bytes. Build it with `attach` right after
+    llama.cpp loaded the model; call `after_step` after every llama_decode."""
+
+    def __init__(self, dense: list[Range], experts: list[Range], bound: int, stats: PagerStats):
+        self._dense, self._experts, self.bound, self.stats = dense, experts, bound, stats
+        self._lock_dense()
+        self._floor = self.trim()
+
+    @classmethod
+    def attach(cls, path: Path, before_maps: str, bound: int) -> ExpertPager | None:
+        """The pager for llama.cpp's mapping of `path` (the mappings of it that `before_maps` lacks);
+        None where the file was not mapped (llama.cpp read it into buffers instead)."""
+        from twinfer.runtime.loaders.gguf_reader import GGUFContents
+
+        old = set(file_mappings(path, before_maps))
+        vmas = [m for m in file_mappings(path, read_maps()) if m not in old]
+        if not vmas:
+            return None
+        dense: list[Range] = []
+        experts: list[Range] = []
+        stats = PagerStats()
+        for info in GGUFContents(path).tensors.values():
+            addr = _address(vmas, info.offset, info.nbytes)
+            if addr is None:
+                continue  # a part of the file llama.cpp unmapped (unused)
+            (experts if is_expert(info.name) else dense).append((addr, addr + info.nbytes))
+            if is_expert(info.name):
+                stats.expert_bytes += info.nbytes
+            else:
+                stats.dense_bytes += info.nbytes
+        return cls(_pages(dense), _pages(experts), bound, stats)
+
+    def _lock_dense(self) -> None:
+        libc = _libc()
+        for start, end in self._dense:
+            if libc.mlock(start, end - start) == 0:
+                self.stats.locked_bytes += end - start
+            else:  # over RLIMIT_MEMLOCK: kept resident by use instead
+                libc.madvise(start, end - start, MADV_WILLNEED)
+
+    def trim(self) -> int:
+        """Drop every expert page from the process; returns RssFile afterwards."""
+        libc = _libc()
+        for start, end in self._experts:
+            libc.madvise(start, end - start, MADV_DONTNEED)
+        self.stats.trims += 1
+        return rss_file()
+
+    def describe(self) -> dict[str, int]:
+        """Sizes in MiB and the number of trims, for the runner's `describe()`."""
+        mib = 2**20
+        s = self.stats
+        return {"bound_mb": round(self.bound / mib), "dense_mb": round(s.dense_bytes / mib),
+                "experts_mb": round(s.expert_bytes / mib), "locked_mb": round(s.locked_bytes / mib), "trims": s.trims}
+
+    def after_step(self) -> None:
+        """Trim when the experts mapped since the last trim pass the bound."""
+        if rss_file() - self._floor > self.bound:
+            self._floor = self.trim()
+
+
+def _address(vmas: list[tuple[int, int, int]], offset: int, nbytes: int) -> int | None:
+    """The address of file bytes [offset, offset + nbytes) in the mapping, or None where unmapped."""
+    for start, end, file_offset in vmas:
+        addr = start + offset - file_offset
+        if start <= addr and addr + nbytes <= end:
+            return addr
+    return None
