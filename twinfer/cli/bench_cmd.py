@@ -43,6 +43,8 @@ class BenchOptions:
     json_out: bool = False
     speculate: str = "off"
     max_batch_tokens: int | None = None
+    memory_budget: str | None = None  # --memory-budget: benched as generate, chat and serve open it
+    allow_pruning: bool = False
 
     def __post_init__(self) -> None:
         from twinfer.runtime.speculative.options import parse_speculate
@@ -57,6 +59,9 @@ class BenchOptions:
         if self.url and self.max_batch_tokens is not None:
             raise OptionError("--max-batch-tokens applies to in-process runs; start the server with "
                               "`twinfer serve --max-batch-tokens`", field="max_batch_tokens")
+        if self.url and self.memory_budget is not None:
+            raise OptionError("--memory-budget applies to in-process runs; start the server with "
+                              "`twinfer serve --memory-budget`", field="memory_budget")
         if self.url and parse_speculate(self.speculate)[0] != "off":
             raise OptionError("--speculate applies to in-process runs; start the server with "
                               "`twinfer serve --speculate`", field="speculate")
@@ -71,7 +76,8 @@ class BenchOptions:
 
         ctx = max(self.levels) * (self.prompt_tokens + self.output_tokens + 32) + 256
         return OpenOptions(self.model, self.backend, max_seqs=max(self.levels), ctx=ctx, threads=self.threads,
-                           speculate=self.speculate)
+                           speculate=self.speculate, memory_budget=self.memory_budget,
+                           allow_pruning=self.allow_pruning)
 
 
 def run_bench_cmd(options: BenchOptions) -> None:
@@ -88,6 +94,8 @@ def run_bench_cmd(options: BenchOptions) -> None:
         session = open_session(o.open_options())
         report = run_bench(session, list(o.levels), o.prompt_tokens, o.output_tokens, o.shared_prefix,
                            o.requests_per_client, o.corpus, o.max_batch_tokens)
+        if session.strategy is not None:  # what the budget chose is part of the result's context
+            report["memory_budget"] = session.strategy.summary()
     _print(report, o.json_out)
 
 
@@ -99,6 +107,8 @@ def _print(report: dict[str, Any], json_out: bool) -> None:
     typer.echo(f"hardware: {hw.get('cpu', hw.get('machine'))} ({hw.get('cpus')} cpus)")
     typer.echo(f"build:    twinfer {build.get('twinfer')} {build.get('revision') or ''} backend={build.get('backend')}")
     typer.echo(f"traffic:  {traffic}")
+    if "memory_budget" in report:
+        typer.echo(f"budget:   {report['memory_budget']}")
     typer.echo(f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}")
     for r in report["results"]:
         typer.echo(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_p50_s']*1e3:>7.0f}ms "

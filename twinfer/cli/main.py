@@ -153,6 +153,8 @@ def bench(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     speculate: SpeculateOpt = "off",
     max_batch_tokens: MaxBatchTokensOpt = None,
+    memory_budget: MemoryBudgetOpt = None,
+    allow_pruning: AllowPruningOpt = False,
 ) -> None:
     """Throughput and latency at given concurrency, with hardware, build and traffic shape attached."""
     from twinfer.cli.bench_cmd import BenchOptions, run_bench_cmd
@@ -160,7 +162,8 @@ def bench(
     run_bench_cmd(BenchOptions(
         model, concurrency, prompt_tokens=prompt_tokens, output_tokens=output_tokens, shared_prefix=shared_prefix,
         requests_per_client=requests_per_client, corpus=corpus, backend=backend, threads=threads, url=url,
-        api_key=api_key, json_out=json_out, speculate=speculate, max_batch_tokens=max_batch_tokens))
+        api_key=api_key, json_out=json_out, speculate=speculate, max_batch_tokens=max_batch_tokens,
+        memory_budget=memory_budget, allow_pruning=allow_pruning))
 
 
 @app.command()
