@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU check for the datacenter target, about 4 minutes on one H200 (its parts' times; not yet run whole):
+# One GPU check, about 4 minutes on one H200 for steps 1-5 (their parts' times; not yet run whole) and an
+# estimated 2-3 more for step 6 (never run yet):
 #   1. the CUDA-marked tests (FP8 GEMM, CUDA-graph capture and replay vs eager) and the triton kernels
 #      compiled for the GPU (not interpreted), alone and wired into whole tiny models;
 #   2. decode tokens/s at batch 1 and 64 of a random-weight ~8B Llama in BF16 and FP8 (triton kernels,
@@ -10,7 +11,11 @@
 #   4. where those steps' time goes: a graph replay's device time against the step's wall time, and the
 #      kernels of an eager step ranked by CUDA time (bench/gpu_profile.py);
 #   5. the triton kernels' tiles swept at those decode shapes, then decode measured with the winners
-#      (bench/gpu_tune.py --apply): whether the defaults in each kernel module still win on this card.
+#      (bench/gpu_tune.py --apply): whether the defaults in each kernel module still win on this card;
+#   6. llama.cpp's GPU placement (bench/gpu_placement.py): a random 12 GB Q8_0 MoE GGUF under a 6 GB memory
+#      budget on the card, opened with the plan's placement (--n-gpu-layers 999 --n-cpu-moe N): the GPU memory
+#      it holds and decode tokens/s at batch 1, beside every expert on the GPU and every expert in host memory.
+#      Needs a CUDA build of llama-cpp-python; with the CPU-only wheel it prints SKIP and how to build one.
 # Usage: bash bench/gpu_check.sh [--dry-run]   (--dry-run: CPU, tiny model; what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +40,12 @@ PY
   timeout 200 python bench/gpu_profile.py --top 14
   echo "== kernel tiles: sweep, then decode with the winners =="
   timeout 300 python bench/gpu_tune.py --apply
+  echo "== llama.cpp placement: an MoE bigger than its GPU budget, experts of the first N layers in host memory =="
+  timeout 300 python bench/gpu_placement.py --gb 12 --memory-budget 6GB
 else
   python bench/gpu_decode.py --dry-run
   python bench/gpu_moe.py --dry-run --batches 1,4
   python bench/gpu_profile.py --dry-run --cases llama:bf16:1,moe:fp8:4 --top 3
   python bench/gpu_tune.py --dry-run --apply
+  python bench/gpu_placement.py --dry-run
 fi

@@ -1,8 +1,9 @@
 """A random-weight Qwen3-MoE GGUF written straight by gguf-py, tensor by tensor, at any size.
 
 No converter, no torch, no network (what a bare GPU machine has): every matrix is Q8_0 blocks of random
-int8 values under one small scale, made from random bytes, so a 10 GB file costs one tensor of memory
-and a few seconds a GB. The vocabulary is 256 byte tokens and three controls (SentencePiece-style, as
+int8 values under one small scale, cut from one 8 MiB pool of random blocks (a bigger model repeats
+them: every weight is still read and multiplied), so a 10 GB file costs one tensor of memory and
+seconds a GB. The vocabulary is 256 byte tokens and three controls (SentencePiece-style, as
 llama.cpp reads any architecture's). Used by tests/test_placement.py (a few MB) and by
 bench/gpu_placement.py (a model bigger than the memory budget it runs in).
 """
@@ -62,13 +63,19 @@ def _nbytes(shape: tuple[int, ...], kind: str) -> int:
     return n // Q8_BLOCK * Q8_BYTES if kind == "q8_0" else n * 4
 
 
-def _values(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
+def _values(shape: tuple[int, ...], kind: str, rng: np.random.Generator, pool: np.ndarray) -> np.ndarray:
     if kind == "f32":  # norms at 1, the router small
         return (1.0 + 0.02 * rng.standard_normal(shape)).astype(np.float32)
-    rows = int(np.prod(shape[:-1]))
-    blocks = rng.integers(-127, 128, size=(rows, shape[-1] // Q8_BLOCK, Q8_BYTES), dtype=np.int8)
-    blocks[..., :2] = np.frombuffer(np.float16(0.02 / 127).tobytes(), np.int8)  # every block's scale
+    n = int(np.prod(shape[:-1])) * (shape[-1] // Q8_BLOCK)
+    blocks = np.resize(pool, (n, Q8_BYTES))  # the pool's blocks over and over: a GB a second, not 0.2
     return blocks.view(np.uint8).reshape(*shape[:-1], shape[-1] // Q8_BLOCK * Q8_BYTES)
+
+
+def _pool(rng: np.random.Generator, nbytes: int = 1 << 23) -> np.ndarray:
+    """Random Q8_0 blocks (8 MiB: every tensor of a small model is wholly random) under one small scale."""
+    blocks = np.frombuffer(rng.bytes(nbytes // Q8_BYTES * Q8_BYTES), np.int8).reshape(-1, Q8_BYTES).copy()
+    blocks[:, :2] = np.frombuffer(np.float16(0.02 / 127).tobytes(), np.int8)
+    return blocks
 
 
 def write_random_moe_gguf(path: Path, shape: MoEShape = MoEShape(), seed: int = 0) -> Path:
@@ -90,8 +97,9 @@ def write_random_moe_gguf(path: Path, shape: MoEShape = MoEShape(), seed: int = 
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
+    pool = _pool(rng)
     for _, dims, kind in shape.tensors():
-        w.write_tensor_data(_values(dims, kind, rng))
+        w.write_tensor_data(_values(dims, kind, rng, pool))
     w.close()
     return path
 
