@@ -163,7 +163,8 @@ def llama_log(monkeypatch: pytest.MonkeyPatch) -> object:
 
 
 def _streaming_budget(loaded: object, cluster: object) -> tuple[int, object]:
-    """The largest budget (in 20 kB steps below the whole model's) at which the plan streams experts."""
+    """The largest budget (in 20 kB steps below the whole model's) at which the plan keeps experts off the
+    device: in host memory beside a GPU, paged from the file (or the file requantized) on a CPU."""
     from twinfer.app.budget import llamacpp_strategy
 
     whole = llamacpp_strategy(loaded, 10**12, 256, 1, False, cluster)  # type: ignore[arg-type]
@@ -171,7 +172,8 @@ def _streaming_budget(loaded: object, cluster: object) -> tuple[int, object]:
     for _ in range(40):
         budget -= 20_000
         s = llamacpp_strategy(loaded, budget, 256, 1, False, cluster)  # type: ignore[arg-type]
-        if s.placement is not None and s.placement.cpu_moe_layers:
+        if s.placement is not None and (s.placement.cpu_moe_layers or s.expert_cache_bytes is not None
+                                        or s.requantize):
             return budget, s
     raise AssertionError("no budget made the plan stream experts")
 
@@ -195,6 +197,26 @@ def test_a_budget_on_a_described_gpu_opens_the_runner_with_the_plans_placement(
         assert info["kv_type"] == p.kv_type
         experts = {f"blk.{i}.ffn_{t}_exps.weight": "CPU" for i in range(n) for t in ("gate", "up", "down")}
         assert llama_log.overridden() == experts  # llama.cpp placed exactly those, and nothing else
+    finally:
+        session.close()
+
+
+def test_a_budget_on_a_cpu_places_no_layer_on_a_gpu(moe_gguf: Path, llama_log: LlamaLog,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU plan that keeps experts out of memory pages them from the file; on any build, no layer goes
+    to a GPU (llama.cpp's default on a GPU build would put all of them there)."""
+    from twinfer.app.session import OpenOptions, open_session
+    from twinfer.runtime.loaders import load_model
+
+    monkeypatch.setenv(BUILD_ENV, GPU_BUILD)
+    cluster = resolve_cluster("cpu")
+    budget, planned = _streaming_budget(load_model(moe_gguf), cluster)
+    session = open_session(OpenOptions(str(moe_gguf), "llamacpp", ctx=256, memory_budget=str(budget), hardware=cluster))
+    try:
+        assert session.strategy is not None and session.strategy.placement == planned.placement  # type: ignore[attr-defined]
+        assert session.strategy.placement == Placement(CPU, 0, SHAPE.layers, kv_type=session.strategy.kv_type or "f16")
+        assert session.opened.runner.describe()["placement"] == {"n_gpu_layers": 0, "tensor_overrides": []}
+        assert llama_log.overridden() == {}
     finally:
         session.close()
 

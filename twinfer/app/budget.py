@@ -169,10 +169,11 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
     # the budget is the model's (weights, KV, buffers); the interpreter's share the planner adds comes on top
     cluster = replace(hardware or _host(), memory_budget_bytes=budget + LOCAL_OVERHEAD)
     plan = make_plan(profile_from_loaded(loaded), cluster, Request(ctx, max_seqs))
-    if plan.chosen is not None and plan.chosen.strategy.stream_fraction:  # a lossless paged plan, or a smaller file
+    offloads = plan.placement is not None and plan.placement.offloads  # on a GPU the rest stay in host RAM, not paged
+    if plan.chosen is not None and plan.chosen.strategy.stream_fraction and not offloads:  # a lossless paged plan, or a smaller file
         from twinfer.app.budget_gguf import paged_or_requantized
 
-        return paged_or_requantized(plan.chosen, cluster, Request(ctx, max_seqs), budget)
+        return _on_cpu(paged_or_requantized(plan.chosen, cluster, Request(ctx, max_seqs), budget), plan.placement)
     if not plan.fits or plan.chosen is None:
         raise PlanError(f"nothing fits --memory-budget {budget / 1e6:.0f} MB: {plan.suggestion}")
     s = plan.chosen.strategy
@@ -191,6 +192,14 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
                          prune_layers=round(loaded.spec.num_layers * s.prune),
                          predicted_bytes=int(plan.chosen.memory.used - LOCAL_OVERHEAD), reasons=plan.reasons[:1],
                          expected_kl=plan.chosen.kl)
+
+
+def _on_cpu(strategy: LocalStrategy, placement: Placement | None) -> LocalStrategy:
+    """A CPU plan's strategy with the plan's placement (no layer on a GPU, whatever the build) at the KV type
+    the strategy chose."""
+    if placement is None:
+        return strategy
+    return replace(strategy, placement=replace(placement, kv_type=strategy.kv_type or "f16"))
 
 
 def _host() -> Cluster:
