@@ -126,3 +126,41 @@ def test_paged_experts_are_lossless_and_bounded(moe_gguf: Path) -> None:
     anon = paged["end"]["RssAnon"] - paged["base"]["RssAnon"]  # KV cache and compute buffers
     assert held <= anon + (pager["dense_mb"] + 1) * MB + bound + step + 4 * MB, (held / MB, anon / MB, pager)
     assert whole["max_rss"] - whole["base"]["VmRSS"] > moe_gguf.stat().st_size  # loaded whole: the file is held
+
+
+def test_bench_takes_the_budget_as_the_session_does(moe_gguf: Path, tmp_path: Path) -> None:
+    """`twinfer bench --memory-budget` opens the model through the same session options as generate and serve,
+    and reports what the budget chose; against a server (--url) the server's own budget applies."""
+    from twinfer.cli.bench_cmd import BenchOptions
+    from twinfer.runtime.errors import OptionError
+
+    options = BenchOptions(str(moe_gguf), "1", memory_budget="40MB", allow_pruning=True)
+    opened = options.open_options()
+    assert (opened.memory_budget, opened.allow_pruning, opened.max_seqs) == ("40MB", True, 1)
+    with pytest.raises(OptionError, match="memory-budget"):
+        BenchOptions(url="http://127.0.0.1:1", memory_budget="40MB")
+    result = subprocess.run([sys.executable, "-m", "twinfer.cli.main", "bench", str(moe_gguf), "-c", "1", "-p", "8",
+                             "-o", "8", "--requests-per-client", "1", "--threads", "1", "--memory-budget",
+                             str(moe_gguf.stat().st_size // 2), "--json"], capture_output=True, text=True,
+                            timeout=600, cwd=ROOT, env={**os.environ, "TWINFER_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["memory_budget"].startswith("memory budget 40 MB") and report["results"][0]["output_tokens_per_s"] > 0
+
+
+def test_cgroup_headroom_keeps_weights_mapped_in_a_container(tmp_path: Path) -> None:
+    """Huge-page loading weighs the model against the memory cgroup's room (limit minus anonymous memory,
+    the least over the group and its ancestors), so an unbudgeted run in a container maps what would not fit."""
+    from twinfer.backends.llamacpp.hugepages import cgroup_headroom, wanted
+
+    own = tmp_path / "cgroup"
+    own.write_text("4:memory:/box/run\n0::/\n")
+    for folder, limit, rss in (("memory/box", 3 * 10**9, 10**9), ("memory/box/run", "9223372036854771712", 0)):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (tmp_path / folder / "memory.stat").write_text(f"cache 5000\ntotal_rss {rss}\ntotal_cache 7\n")
+    room = cgroup_headroom(str(tmp_path), str(own))
+    assert room == 2 * 10**9  # the parent's 3 GB limit less its 1 GB of anonymous memory; the child is unlimited
+    assert wanted(10**9, "madvise", room) and not wanted(int(1.66e9), "madvise", room)
+    own.write_text("0::/\n")
+    assert cgroup_headroom(str(tmp_path), str(own)) is None  # no v2 memory.max here: no limit

@@ -53,15 +53,61 @@ def wanted(model_bytes: int, mode: str | None, available: int | None) -> bool:
 
 
 def mem_available(path: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
-    """Bytes the kernel says it can give without swapping (MemAvailable), or None where it does not say:
-    what `wanted` weighs a model against when it loads (a plan weighs the device's size instead)."""
+    """Bytes the kernel says it can give without swapping (MemAvailable), or None where it does not say,
+    and no more than this process's memory cgroup still allows (`cgroup_headroom`): what `wanted` weighs a
+    model against when it loads (a plan weighs the device's size instead). A container's limit counts:
+    weights read into anonymous memory past it are OOM-killed, where mapped ones are paged."""
+    available = None
     try:
         for line in _read(path).splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
+        available = None
+    headroom = cgroup_headroom()
+    if available is None or headroom is None:
+        return available if headroom is None else headroom
+    return min(available, headroom)
+
+
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def cgroup_headroom(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int | None:
+    """The least of (limit - anonymous memory charged) over this process's memory cgroup and its ancestors
+    (cgroup v2 `memory.max` / `anon`, v1 `memory.limit_in_bytes` / `total_rss`); page cache is left out, as
+    the kernel reclaims it. None where no limit applies or none can be read."""
+    try:
+        lines = _read(own).splitlines()
+    except OSError:
         return None
-    return None
+    best: int | None = None
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0":  # v2: the root itself, or its `unified` mount on a hybrid host
+            unified = os.path.join(root, "unified")
+            base, files = (unified if os.path.isdir(unified) else root), ("memory.max", "anon")
+        elif "memory" in controllers.split(","):
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "total_rss")
+        else:
+            continue
+        parts = [p for p in path.strip("/").split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            room = _group_headroom(os.path.join(base, *parts[:depth]), *files)
+            if room is not None:
+                best = room if best is None else min(best, room)
+    return best
+
+
+def _group_headroom(folder: str, limit_file: str, anon_key: str) -> int | None:
+    try:
+        limit_text = _read(os.path.join(folder, limit_file)).strip()
+        if limit_text == "max" or int(limit_text) >= _UNLIMITED:
+            return None
+        stat = dict(line.split() for line in _read(os.path.join(folder, "memory.stat")).splitlines())
+        return max(0, int(limit_text) - int(stat.get(anon_key, 0)))
+    except (OSError, ValueError):
+        return None
 
 
 def _read(path: str | os.PathLike[str]) -> str:
