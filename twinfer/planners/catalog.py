@@ -32,10 +32,22 @@ def _every(n: int, layers: int, offset: int = 0) -> tuple[str, ...]:
     return tuple(FULL if (i + 1 + offset) % n == 0 else SLIDING for i in range(layers))
 
 
-def _llama(name: str, repo: str, d: int, L: int, h: int, kv: int, inter: int, vocab: int = 128256,
-           theta: float = 500000.0, max_pos: int = 131072) -> Entry:
+@dataclass(frozen=True)
+class _Dims:
+    """A transformer's widths: hidden size, layers, attention heads, KV heads, MLP width."""
+
+    d: int
+    L: int
+    h: int
+    kv: int
+    inter: int
+
+
+def _llama(name: str, repo: str, dims: _Dims, vocab: int = 128256, theta: float = 500000.0,
+           max_pos: int = 131072) -> Entry:
+    d, L, h = dims.d, dims.L, dims.h
     spec = ModelSpec(model_type="llama", name=name, vocab_size=vocab, hidden_size=d, num_layers=L, num_heads=h,
-                     num_kv_heads=kv, head_dim=d // h, intermediate_size=inter, max_position=max_pos,
+                     num_kv_heads=dims.kv, head_dim=d // h, intermediate_size=dims.inter, max_position=max_pos,
                      rope_theta=theta, rms_norm_eps=1e-5)
     return Entry(name, spec, repo)
 
@@ -113,17 +125,19 @@ def _minimax_m2(name: str, repo: str) -> Entry:
     return Entry(name, spec, repo, native="fp8")
 
 
-def _qwen_hybrid(name: str, repo: str, model_type: str, d: int, L: int, h: int, experts: int, top_k: int,
-                 moe_inter: int, v_heads: int, vocab: int) -> Entry:
+def _qwen_hybrid(name: str, repo: str, model_type: str, d: int, L: int, h: int, experts: tuple[int, int, int],
+                 v_heads: int, vocab: int) -> Entry:
     """Qwen3-Next / Qwen3.5 MoE: three gated delta-net layers then one gated full-attention layer, 2 KV heads of
-    256 (a quarter rotated), 16 delta-net key heads of 128, experts plus one shared expert of their width."""
+    256 (a quarter rotated), 16 delta-net key heads of 128, `experts` (count, top-k, size) plus one shared
+    expert of their width."""
+    count, top_k, moe_inter = experts
     spec = ModelSpec(model_type=model_type, name=name, vocab_size=vocab, hidden_size=d, num_layers=L, num_heads=h,
                      num_kv_heads=2, head_dim=256, intermediate_size=moe_inter, max_position=262144, rope_theta=1e7,
                      partial_rotary_factor=0.25, qk_norm=True,
                      layer_types=tuple(FULL if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)),
                      linear_attn=LinearAttnSpec(num_k_heads=16, num_v_heads=v_heads, head_k_dim=128, head_v_dim=128,
                                                 conv_kernel=4),
-                     moe=MoESpec(num_experts=experts, top_k=top_k, expert_intermediate_size=moe_inter,
+                     moe=MoESpec(num_experts=count, top_k=top_k, expert_intermediate_size=moe_inter,
                                  num_shared_experts=1, shared_intermediate_size=moe_inter))
     return Entry(name, spec, repo)
 
@@ -137,10 +151,12 @@ def _gpt_oss(name: str, L: int, experts: int) -> Entry:
     return Entry(name, spec, f"openai/{name}", native="mxfp4-moe")
 
 
-def _gemma3(name: str, repo: str, d: int, L: int, h: int, kv: int, hd: int, inter: int, vocab: int, window: int,
-            scalar: float, max_pos: int) -> Entry:
-    spec = ModelSpec(model_type="gemma3", name=name, vocab_size=vocab, hidden_size=d, num_layers=L, num_heads=h,
-                     num_kv_heads=kv, head_dim=hd, intermediate_size=inter, max_position=max_pos, rope_theta=1e6,
+def _gemma3(name: str, repo: str, dims: _Dims, hd: int, vocab: int, window: int, scalar: float, max_pos: int
+            ) -> Entry:
+    L = dims.L
+    spec = ModelSpec(model_type="gemma3", name=name, vocab_size=vocab, hidden_size=dims.d, num_layers=L,
+                     num_heads=dims.h, num_kv_heads=dims.kv, head_dim=hd, intermediate_size=dims.inter,
+                     max_position=max_pos, rope_theta=1e6,
                      rope_local_theta=1e4, sliding_window=window, layer_types=_every(6, L), hidden_act="gelu_tanh",
                      tie_word_embeddings=True, qk_norm=True, embed_scale=True, query_pre_attn_scalar=scalar)
     return Entry(name, spec, repo)
@@ -166,10 +182,10 @@ def _gemma4(name: str, repo: str, d: int, L: int, h: int, kv: int, global_kv: in
 
 
 ENTRIES: list[Entry] = [
-    _llama("llama-2-7b", "meta-llama/Llama-2-7b-hf", 4096, 32, 32, 32, 11008, vocab=32000, theta=1e4, max_pos=4096),
-    _llama("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 4096, 32, 32, 8, 14336),
-    _llama("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8192, 80, 64, 8, 28672),
-    _llama("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 16384, 126, 128, 8, 53248),
+    _llama("llama-2-7b", "meta-llama/Llama-2-7b-hf", _Dims(4096, 32, 32, 32, 11008), vocab=32000, theta=1e4, max_pos=4096),
+    _llama("llama-3.1-8b", "meta-llama/Llama-3.1-8B", _Dims(4096, 32, 32, 8, 14336)),
+    _llama("llama-3.1-70b", "meta-llama/Llama-3.1-70B", _Dims(8192, 80, 64, 8, 28672)),
+    _llama("llama-3.1-405b", "meta-llama/Llama-3.1-405B", _Dims(16384, 126, 128, 8, 53248)),
     _qwen3("qwen3-0.6b", 1024, 28, 16, 8, 3072, tied=True),
     _qwen3("qwen3-1.7b", 2048, 28, 16, 8, 6144, tied=True),
     _qwen3("qwen3-4b", 2560, 36, 32, 8, 9728, tied=True),
@@ -178,10 +194,11 @@ ENTRIES: list[Entry] = [
     _qwen3("qwen3-32b", 5120, 64, 64, 8, 25600, tied=False),
     _qwen3_moe("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 2048, 48, 32, 6144, 768),
     _qwen3_moe("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", 4096, 94, 64, 12288, 1536),
-    _qwen_hybrid("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 2048, 48, 16, 512, 10, 512,
+    _qwen_hybrid("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 2048, 48, 16, (512, 10, 512),
                  32, 151936),
-    _qwen_hybrid("qwen3.5-397b-a17b", "Qwen/Qwen3.5-397B-A17B", "qwen3_5_moe", 4096, 60, 32, 512, 10, 1024, 64, 248320),
-    _qwen_hybrid("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe", 2048, 40, 16, 256, 8, 512, 32, 248320),
+    _qwen_hybrid("qwen3.5-397b-a17b", "Qwen/Qwen3.5-397B-A17B", "qwen3_5_moe", 4096, 60, 32, (512, 10, 1024), 64,
+                 248320),
+    _qwen_hybrid("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe", 2048, 40, 16, (256, 8, 512), 32, 248320),
     _deepseek("deepseek-v3", "deepseek-ai/DeepSeek-V3", 128, 256, 3, 129280, 163840),
     _deepseek("deepseek-r1", "deepseek-ai/DeepSeek-R1", 128, 256, 3, 129280, 163840),
     _deepseek("kimi-k2", "moonshotai/Kimi-K2-Instruct", 64, 384, 1, 163840, 131072),
@@ -197,8 +214,8 @@ ENTRIES: list[Entry] = [
         model_type="mixtral", name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, intermediate_size=14336, max_position=32768, rope_theta=1e6, rms_norm_eps=1e-5,
         moe=MoESpec(num_experts=8, top_k=2, expert_intermediate_size=14336)), "mistralai/Mixtral-8x7B-v0.1"),
-    _gemma3("gemma-3-270m", "google/gemma-3-270m", 640, 18, 4, 1, 256, 2048, 262144, 512, 256.0, 32768),
-    _gemma3("gemma-3-27b", "google/gemma-3-27b-it", 5376, 62, 32, 16, 128, 21504, 262208, 1024, 168.0, 131072),
+    _gemma3("gemma-3-270m", "google/gemma-3-270m", _Dims(640, 18, 4, 1, 2048), 256, 262144, 512, 256.0, 32768),
+    _gemma3("gemma-3-27b", "google/gemma-3-27b-it", _Dims(5376, 62, 32, 16, 21504), 128, 262208, 1024, 168.0, 131072),
     _gemma4("gemma-4-31b", "google/gemma-4-31B-it", 5376, 60, 32, 16, 4, 21504),
     _gemma4("gemma-4-26b-a4b", "google/gemma-4-26B-A4B-it", 2816, 30, 16, 8, 2, 2112, experts=(128, 8, 704)),
 ]

@@ -13,6 +13,7 @@ FLOPS = cores x 128 ALUs x 2 x clock.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from twinfer.planners.hardware import APPLE, GPU, Device, NodeShape, find
 from twinfer.planners.hw_table_gpus import OWNED_GPUS
@@ -20,13 +21,28 @@ from twinfer.planners.hw_table_gpus import OWNED_GPUS
 _NV_DC = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 
 
-def _gpu(name: str, label: str, vendor: str, mem: float, bw: float, mtype: str, link: str, ic: float,
-         tensor: dict[str, float], vector: float, clock: float, source: str, per_node: int = 8,
-         host: float = 64.0, aliases: tuple[str, ...] = ()) -> Device:
+@dataclass(frozen=True)
+class _Sheet:
+    """A datasheet column: memory (GB, GB/s, type), peer link and its GB/s, dense tensor TFLOPS by dtype,
+    vector (FP32) TFLOPS and boost clock (GHz)."""
+
+    mem: float
+    bw: float
+    mtype: str
+    link: str
+    ic: float
+    tensor: dict[str, float]
+    vector: float
+    clock: float
+
+
+def _gpu(name: str, label: str, vendor: str, sheet: _Sheet, source: str, per_node: int = 8, host: float = 64.0,
+         aliases: tuple[str, ...] = ()) -> Device:
+    s = sheet
     return Device(
-        name=name, label=label, vendor=vendor, kind=GPU, memory_gb=mem, bandwidth_gbs=bw, memory_type=mtype,
-        interconnect_gbs=ic, link=link, tensor_tflops=tuple(tensor.items()), vector_tflops=vector,
-        clock_ghz=clock, source=source, chip=label, max_per_node=per_node, host_link_gbs=host, aliases=aliases,
+        name=name, label=label, vendor=vendor, kind=GPU, memory_gb=s.mem, bandwidth_gbs=s.bw, memory_type=s.mtype,
+        interconnect_gbs=s.ic, link=s.link, tensor_tflops=tuple(s.tensor.items()), vector_tflops=s.vector,
+        clock_ghz=s.clock, source=source, chip=label, max_per_node=per_node, host_link_gbs=host, aliases=aliases,
     )
 
 
@@ -34,48 +50,49 @@ _HOPPER = {"bf16": 989.0, "f16": 989.0, "fp8": 1979.0, "int8": 1979.0}
 _BLACKWELL = {"bf16": 2250.0, "f16": 2250.0, "fp8": 4500.0, "int8": 4500.0, "fp4": 9000.0}
 
 GPUS: list[Device] = [
-    _gpu("a100-sxm", "NVIDIA A100 SXM4 80GB", "nvidia", 80, 2039, "hbm", "nvlink3", 600,
-         {"bf16": 312.0, "f16": 312.0, "int8": 624.0}, 19.5, 1.41,
+    _gpu("a100-sxm", "NVIDIA A100 SXM4 80GB", "nvidia", _Sheet(80, 2039, "hbm", "nvlink3", 600,
+         {"bf16": 312.0, "f16": 312.0, "int8": 624.0}, 19.5, 1.41),
          "NVIDIA A100 datasheet, nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
          "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf", aliases=("a100", "a100-80gb")),
-    _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", "nvidia", 40, 1555, "hbm", "nvlink3", 600,
-         {"bf16": 312.0, "f16": 312.0, "int8": 624.0}, 19.5, 1.41, "NVIDIA A100 datasheet (40GB SXM column)"),
-    _gpu("a100-pcie", "NVIDIA A100 PCIe 80GB", "nvidia", 80, 1935, "hbm", "pcie4", 64,
-         {"bf16": 312.0, "f16": 312.0, "int8": 624.0}, 19.5, 1.41, "NVIDIA A100 datasheet (PCIe column)"),
-    _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB", "nvidia", 80, 3350, "hbm", "nvlink4", 900, _HOPPER, 67.0, 1.98,
+    _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", "nvidia", _Sheet(40, 1555, "hbm", "nvlink3", 600,
+         {"bf16": 312.0, "f16": 312.0, "int8": 624.0}, 19.5, 1.41),
+         "NVIDIA A100 datasheet (40GB SXM column)"),
+    _gpu("a100-pcie", "NVIDIA A100 PCIe 80GB", "nvidia", _Sheet(80, 1935, "hbm", "pcie4", 64,
+         {"bf16": 312.0, "f16": 312.0, "int8": 624.0}, 19.5, 1.41), "NVIDIA A100 datasheet (PCIe column)"),
+    _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB", "nvidia", _Sheet(80, 3350, "hbm", "nvlink4", 900, _HOPPER, 67.0, 1.98),
          _NV_DC + " (H100 SXM column)", host=128, aliases=("h100",)),
-    _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", "nvidia", 80, 2000, "hbm", "pcie5", 128,
-         {"bf16": 756.0, "f16": 756.0, "fp8": 1513.0, "int8": 1513.0}, 51.0, 1.755,
+    _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", "nvidia", _Sheet(80, 2000, "hbm", "pcie5", 128,
+         {"bf16": 756.0, "f16": 756.0, "fp8": 1513.0, "int8": 1513.0}, 51.0, 1.755),
          _NV_DC + " (H100 PCIe column)", host=128),
-    _gpu("h200", "NVIDIA H200 SXM 141GB", "nvidia", 141, 4800, "hbm", "nvlink4", 900, _HOPPER, 67.0, 1.98,
+    _gpu("h200", "NVIDIA H200 SXM 141GB", "nvidia", _Sheet(141, 4800, "hbm", "nvlink4", 900, _HOPPER, 67.0, 1.98),
          "nvidia.com/en-us/data-center/h200/ (H200 SXM column)", host=128, aliases=("h200-sxm",)),
-    _gpu("b200", "NVIDIA B200 180GB", "nvidia", 180, 8000, "hbm", "nvlink5", 1800, _BLACKWELL, 75.0, 1.965,
+    _gpu("b200", "NVIDIA B200 180GB", "nvidia", _Sheet(180, 8000, "hbm", "nvlink5", 1800, _BLACKWELL, 75.0, 1.965),
          "nvidia.com/en-us/data-center/hgx/ (HGX B200: 1.44 TB, 64 TB/s, 72/144 PF FP8/FP4 sparse per 8 GPUs)",
          host=128, aliases=("b200-sxm",)),
-    _gpu("b300", "NVIDIA B300 288GB", "nvidia", 288, 8000, "hbm", "nvlink5", 1800,
-         {**_BLACKWELL, "fp4": 13500.0}, 75.0, 1.965,
+    _gpu("b300", "NVIDIA B300 288GB", "nvidia", _Sheet(288, 8000, "hbm", "nvlink5", 1800,
+         {**_BLACKWELL, "fp4": 13500.0}, 75.0, 1.965),
          "nvidia.com/en-us/data-center/hgx/ (HGX B300: 2.3 TB, 108 PF dense FP4 per 8 GPUs)",
          host=128, aliases=("b300-sxm", "blackwell-ultra")),
-    _gpu("gb200", "NVIDIA GB200 (per GPU, NVL72)", "nvidia", 186, 8000, "hbm", "nvlink5", 1800,
-         {"bf16": 2500.0, "f16": 2500.0, "fp8": 5000.0, "int8": 5000.0, "fp4": 10000.0}, 80.0, 1.965,
+    _gpu("gb200", "NVIDIA GB200 (per GPU, NVL72)", "nvidia", _Sheet(186, 8000, "hbm", "nvlink5", 1800,
+         {"bf16": 2500.0, "f16": 2500.0, "fp8": 5000.0, "int8": 5000.0, "fp4": 10000.0}, 80.0, 1.965),
          "nvidia.com/en-us/data-center/gb200-nvl72/ (13.4 TB HBM3e, 576 TB/s, 1440 PF FP4 sparse per 72 GPUs)",
          per_node=72, host=450),
-    _gpu("gb300", "NVIDIA GB300 (per GPU, NVL72)", "nvidia", 288, 8000, "hbm", "nvlink5", 1800,
-         {"bf16": 2500.0, "f16": 2500.0, "fp8": 5000.0, "int8": 5000.0, "fp4": 15000.0}, 80.0, 1.965,
+    _gpu("gb300", "NVIDIA GB300 (per GPU, NVL72)", "nvidia", _Sheet(288, 8000, "hbm", "nvlink5", 1800,
+         {"bf16": 2500.0, "f16": 2500.0, "fp8": 5000.0, "int8": 5000.0, "fp4": 15000.0}, 80.0, 1.965),
          "nvidia.com/en-us/data-center/gb300-nvl72/ (up to 288 GB HBM3e per GPU, 1080 PF dense FP4 per 72 GPUs)",
          per_node=72, host=450),
-    _gpu("gb10", "NVIDIA GB10 (DGX Spark) 128GB", "nvidia", 128, 273, "lpddr", "connectx7", 25,
-         {"bf16": 125.0, "f16": 125.0, "fp8": 250.0, "fp4": 500.0}, 31.0, 2.5,
+    _gpu("gb10", "NVIDIA GB10 (DGX Spark) 128GB", "nvidia", _Sheet(128, 273, "lpddr", "connectx7", 25,
+         {"bf16": 125.0, "f16": 125.0, "fp8": 250.0, "fp4": 500.0}, 31.0, 2.5),
          "nvidia.com/en-us/products/workstations/dgx-spark/ (1 PF FP4 sparse, 273 GB/s LPDDR5x; "
          "bf16/FP32 rates estimated from the FP4 figure)", per_node=1, host=273, aliases=("dgx-spark", "spark")),
-    _gpu("mi300x", "AMD Instinct MI300X 192GB", "amd", 192, 5300, "hbm", "infinity-fabric", 896,
-         {"bf16": 1307.4, "f16": 1307.4, "fp8": 2614.9, "int8": 2614.9}, 163.4, 2.1,
+    _gpu("mi300x", "AMD Instinct MI300X 192GB", "amd", _Sheet(192, 5300, "hbm", "infinity-fabric", 896,
+         {"bf16": 1307.4, "f16": 1307.4, "fp8": 2614.9, "int8": 2614.9}, 163.4, 2.1),
          "amd.com/en/products/accelerators/instinct/mi300/mi300x.html", host=128),
-    _gpu("mi325x", "AMD Instinct MI325X 256GB", "amd", 256, 6000, "hbm", "infinity-fabric", 896,
-         {"bf16": 1307.4, "f16": 1307.4, "fp8": 2614.9, "int8": 2614.9}, 163.4, 2.1,
+    _gpu("mi325x", "AMD Instinct MI325X 256GB", "amd", _Sheet(256, 6000, "hbm", "infinity-fabric", 896,
+         {"bf16": 1307.4, "f16": 1307.4, "fp8": 2614.9, "int8": 2614.9}, 163.4, 2.1),
          "amd.com/en/products/accelerators/instinct/mi300/mi325x.html", host=128),
-    _gpu("mi355x", "AMD Instinct MI355X 288GB", "amd", 288, 8000, "hbm", "infinity-fabric", 1075,
-         {"bf16": 2516.6, "f16": 2516.6, "fp8": 5033.2, "int8": 5033.2, "fp4": 10066.3}, 157.3, 2.4,
+    _gpu("mi355x", "AMD Instinct MI355X 288GB", "amd", _Sheet(288, 8000, "hbm", "infinity-fabric", 1075,
+         {"bf16": 2516.6, "f16": 2516.6, "fp8": 5033.2, "int8": 5033.2, "fp4": 10066.3}, 157.3, 2.4),
          "amd.com/en/products/accelerators/instinct/mi350/mi355x.html", host=128),
 ]
 
