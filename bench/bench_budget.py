@@ -1,0 +1,189 @@
+"""The local target's headline: an MoE twice the memory budget, at batch 1, on a GGUF, beside llama-bench.
+
+    python bench/bench_budget.py --dir /tmp/budget [--llama-bin DIR] [--rounds 3] > out.json
+
+Builds (once, in --dir) a random Qwen3-MoE as a BF16 GGUF with llama.cpp's own converter (16 layers, 64
+experts top-4, 1.66 GB: tests/moe_gguf.py) and llama-bench from the installed llama-cpp-python's sdist
+(`cmake -B build -DLLAMA_CURL=OFF && cmake --build build -j2 --target llama-bench`), unless --llama-bin
+names a built one. Then, each round, under a memory limit of budget + 600 MB (a cgroup: v2 through
+`systemd-run --scope -p MemoryMax=`, else a v1 child of this process's memory cgroup) with the model's
+pages dropped from the page cache first (`/proc/sys/vm/drop_caches` where permitted, else
+`posix_fadvise(DONTNEED)` on the file, which any reader may do):
+
+- `twinfer bench MODEL -c 1 --memory-budget HALF --json` (half the file's bytes; the first run also makes
+  the requantized file when the budget chooses one, and is not timed);
+- `llama-bench -m MODEL -p 0 -n 128 -r 2` (the file mapped, the kernel paging it under the same limit).
+
+Prints one JSON object: each run's decode tok/s, the cgroup's peak usage and OOM kills, the budget's
+summary, and the host, kernel and builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+HEADROOM = 600 * 10**6  # the limit over the budget: interpreter, libraries and page cache for the rest
+
+
+def build_llama_bench(work: Path) -> Path:
+    """llama-bench built from the installed llama-cpp-python's sdist (its vendored llama.cpp); its bin dir."""
+    version = importlib.metadata.version("llama-cpp-python")
+    src = work / f"llama.cpp-{version}"
+    bin_dir = src / "build" / "bin"
+    if (bin_dir / "llama-bench").is_file():
+        return bin_dir
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", tmp], check=True, capture_output=True)
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name.removeprefix(prefix)
+            tar.extractall(src, members=[m for m in members if m.name], filter="data")
+    subprocess.run(["cmake", "-B", "build", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"], cwd=src, check=True,
+                   capture_output=True)
+    subprocess.run(["cmake", "--build", "build", "-j2", "--target", "llama-bench"], cwd=src, check=True,
+                   capture_output=True)
+    return bin_dir
+
+
+def drop_cache(model: Path) -> str:
+    """Drop the model's pages from the page cache; how it was done."""
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        fd = os.open(model, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return "posix_fadvise(DONTNEED)"
+
+
+def _v1_parent() -> Path | None:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+    return None
+
+
+@contextlib.contextmanager
+def limited(limit: int) -> Iterator[tuple[list[str], Path | None]]:
+    """(a command prefix, a v1 cgroup folder or None) that run a command under `limit` bytes of memory."""
+    if shutil.which("systemd-run") and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        yield ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={limit}", "-p", "MemorySwapMax=0"], None
+        return
+    parent = _v1_parent()
+    if parent is None or not parent.is_dir():
+        raise SystemExit("bench_budget: no writable memory cgroup (v2 with systemd-run, or v1) on this host")
+    group = parent / f"twinfer-bench-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        with contextlib.suppress(OSError):  # no swap accounting: the limit is on memory alone
+            (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
+        yield [], group
+    finally:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def run_limited(cmd: list[str], limit: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `cmd` under `limit`; its exit code, stdout, and the cgroup's peak and OOM kills (v1)."""
+    with limited(limit) as (prefix, group):
+        def enter() -> None:
+            if group is not None:
+                (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        proc = subprocess.run([*prefix, *cmd], capture_output=True, text=True, env={**os.environ, **(env or {})},
+                              preexec_fn=enter, check=False)
+        out: dict[str, Any] = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-2000:]}
+        if group is not None:
+            out["peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
+            oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+            out["oom_kills"] = int(oom.get("oom_kill", 0))
+        return out
+
+
+def twinfer_run(model: Path, budget: int, limit: int, cache: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "twinfer.cli.main", "bench", str(model), "-c", "1", "--memory-budget", str(budget),
+           "--json"]
+    r = run_limited(cmd, limit, {"TWINFER_CACHE": str(cache)})
+    if r["rc"] == 0:
+        report = json.loads(r["stdout"])
+        row = report["results"][0]
+        r.update(decode_tok_s=1.0 / row["tpot_p50_s"], output_tok_s=row["output_tokens_per_s"],
+                 summary=report.get("memory_budget"), build=report.get("build"))
+    r.pop("stdout")
+    return r
+
+
+def llama_bench_run(bin_dir: Path, model: Path, limit: int) -> dict[str, Any]:
+    from bench_peers import llama_bench_cmd
+
+    r = run_limited([*llama_bench_cmd(bin_dir, model), "-r", "2"], limit)  # paging: two repetitions, not five
+    if r["rc"] == 0:
+        r["decode_tok_s"] = float(json.loads(r["stdout"])[0]["avg_ts"])
+    r.pop("stdout")
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, required=True, help="where the model, llama-bench and caches go")
+    ap.add_argument("--llama-bin", type=Path, help="a built llama.cpp bin dir (default: build one in --dir)")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from tests.moe_gguf import write_qwen3_moe_gguf
+    from twinfer.app.bench import hardware_info
+
+    a.dir.mkdir(parents=True, exist_ok=True)
+    model = write_qwen3_moe_gguf(a.dir, "1.6gb")
+    bin_dir = a.llama_bin or build_llama_bench(a.dir)
+    size = model.stat().st_size
+    budget, cache = size // 2, a.dir / "cache"
+    limit = budget + HEADROOM
+    warm = twinfer_run(model, budget, limit, cache)  # makes the requantized file if the budget asks for one
+    rounds = []
+    for i in range(a.rounds):
+        row: dict[str, Any] = {}
+        for side in (("twinfer", "llama_bench") if i % 2 == 0 else ("llama_bench", "twinfer")):
+            row["dropped_by"] = drop_cache(model)
+            row[side] = (twinfer_run(model, budget, limit, cache) if side == "twinfer"
+                         else llama_bench_run(bin_dir, model, limit))
+        rounds.append(row)
+    tw = [r["twinfer"].get("decode_tok_s", 0.0) for r in rounds]
+    lb = [r["llama_bench"].get("decode_tok_s", 0.0) for r in rounds]
+    print(json.dumps({
+        "model": {"path": str(model), "bytes": size, "shape": "qwen3_moe 16 layers, 64 experts top-4, BF16"},
+        "budget_bytes": budget, "limit_bytes": limit, "warm_up": warm, "rounds": rounds,
+        "median_decode_tok_s": {"twinfer": statistics.median(tw), "llama_bench": statistics.median(lb)},
+        "ratio": statistics.median(tw) / statistics.median(lb) if statistics.median(lb) else None,
+        "hardware": hardware_info(), "kernel": platform.release(),
+        "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
