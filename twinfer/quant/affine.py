@@ -1,17 +1,8 @@
-"""Affine (asymmetric, grouped) integer weights in MLX's exact layout.
+"""Affine (asymmetric, grouped) integer weights in MLX's exact layout, bit-identical to `mx.quantize`.
 
-``backends/metal`` hands the three arrays to ``mx.quantized_matmul(x, wq, scales, biases,
-transpose=True, group_size=g, bits=b)`` unchanged. For ``w`` float32 ``[out, in]``, ``bits`` in
-{2, 4, 8} ("int4" and "int8" in the registry) and ``group_size`` in {32, 64, 128}:
-
-* ``wq`` uint32 ``[out, in * bits / 32]``: word ``j`` of a row holds columns ``j*k .. j*k + k - 1``
-  (``k = 32 / bits``), column ``j*k + i`` in bits ``[i*bits, (i+1)*bits)`` (lowest bits first);
-* ``scales``, ``biases`` float32 ``[out, in / group_size]``;
-* ``w[r, c] ~= scales[r, c // g] * q[r, c] + biases[r, c // g]`` with ``q`` in ``[0, 2**bits - 1]``.
-
-The scale and bias follow MLX's CPU ``quantize`` step for step, in float32: the group's larger-
-magnitude edge is made exactly representable (so the bias is that edge, and zero lands on a grid
-point), and the scale's sign may be negative. That makes ``wq`` bit-identical to ``mx.quantize``.
+For `w` float32 [out, in], bits in {2, 4, 8}, group_size g in {32, 64, 128}: `wq` uint32
+[out, in * bits / 32] (lowest bits first), `scales`, `biases` float32 [out, in / g], and
+`w[r, c] ~= scales[r, c // g] * q[r, c] + biases[r, c // g]` (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

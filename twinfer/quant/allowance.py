@@ -1,12 +1,8 @@
 """How far two faithful runs of one model may differ: the kernel floor, the allowance over it, the verdict.
 
-A kernel floor is the mean KL between two implementations that both serve a model faithfully: the
-reference against its own other kernel path on the same tokens (llama.cpp with its weights repacked into
-interleaved GEMM tiles, as `twinfer serve` runs by default, against the same file as stored), or, where
-that cannot be measured, a declared class (`DECLARED`). A measured KL then earns one of three verdicts:
-`faithful` (the reference's own arithmetic, up to the estimator), `within kernel noise` (no further from
-the reference than another faithful kernel path) or `degraded`. `twinfer doctor` (a stage's allowance)
-and `twinfer eval kl` (an endpoint's verdict) both read them here.
+A kernel floor is the mean KL between two faithful kernel paths of the reference (llama.cpp repacked vs
+as stored), or a declared class (`DECLARED`). Verdicts: `faithful`, `within kernel noise`, `degraded`;
+read by `twinfer doctor` and `twinfer eval kl`.
 """
 
 from __future__ import annotations

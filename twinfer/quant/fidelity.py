@@ -1,18 +1,8 @@
 """`twinfer eval kl`: score a reference and a candidate on the same token stream.
 
-A SPEC names where logits come from: a twinfer backend (`llamacpp`, `torch`, `mlx`) running the
-model, `transformers` (Hugging Face in fp32 on the same file, GGUF included), or another model path
-(same tokenizer; a `twinfer quantize` folder included) run with the automatic backend.
-
-A backend SPEC may carry options after a colon, comma-separated: `torch:kv=tq4`,
-`mlx:kv=tq2.5,weights=int4`, `torch:kv=tq3-qjl`, `llamacpp:kv=q4_0`. `kv` is a TurboQuant KV format
-on torch/mlx (quant/kv_format.py) or a llama.cpp cache type; `weights` quantizes every layer
-projection to one registry format (torch/mlx). Option runs use float32 on the torch backend.
-`llamacpp:mode=fast` runs llama.cpp's kernels as `twinfer serve` does by default (weights repacked);
-plain `llamacpp` keeps the weights as stored (row-invariant).
-
-quant imports no backend: every function that runs a model takes a `RunnerFactory` (the app layer's
-`twinfer.app.runners.RUNNERS`) and gets its runners from it.
+A SPEC is a twinfer backend (`llamacpp`, `torch`, `mlx`, options after a colon: `torch:kv=tq4`,
+`mlx:kv=tq2.5,weights=int4`, `llamacpp:mode=fast`), `transformers`, or another model path. Runners come
+from the `RunnerFactory` each function is handed: quant imports no backend.
 """
 
 from __future__ import annotations

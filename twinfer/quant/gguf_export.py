@@ -1,18 +1,8 @@
 """Export a `twinfer quantize` folder made from a GGUF file as one GGUF file llama.cpp runs.
 
-Only formats whose stored values a GGUF type holds as they are get written (no requantization):
-- int4 (affine, MLX layout, w = scale * q + bias per group of 32, 64 or 128) -> Q4_1 (per 32-block
-  w = d * q + m): d and m are the group's scale and bias rounded to float16, the only change
-  (`GGUFExport.max_abs_change`); the codes are the same, repacked to ggml's nibble order;
-- mxfp4 (32-element blocks, E8M0 scale) -> MXFP4 (type 39): the same scale byte and E2M1 codes.
-int8 has no exact type (Q8_0 is symmetric, without the bias): it refuses unless `int8_as_q8_0`
-asks for an explicit, lossy requantization of its values to Q8_0. TurboQuant, FP8 and NVFP4 refuse.
-
-Every other tensor is the source GGUF's stored bytes and type, and every key/value of the source is
-copied (architecture, hyperparameters, tokenizer); `general.file_type` follows the type that holds
-most of the layer weights. Quantized names map back to the source's tensor names through the GGUF
-loader's tables; a llama-family Q/K rope un-permute is undone by permuting the packed rows back,
-which is exact because both formats quantize each row on its own.
+Only formats a GGUF type holds as they are: int4 -> Q4_1 (scale and bias rounded to float16, the only
+change, `GGUFExport.max_abs_change`), mxfp4 -> MXFP4. int8 refuses unless `int8_as_q8_0` (lossy);
+TurboQuant, FP8 and NVFP4 refuse. Every other tensor and key is the source's, bytes unchanged.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Re-encode named tensors of a GGUF file to another ggml type, a block of rows at a time.
 
-llama.cpp's quantizer converts a whole tensor to float32 before quantizing it: for the default model's
-262,144 x 640 token embedding that is 671 MB, more than a 400 MB `--memory-budget` allows. Rows are
-independent in every ggml block format, so the same result comes from converting ~16 MB of rows at a
-time (gguf-py's numpy codecs follow ggml's reference quantizers; a test checks the bytes against
-llama.cpp's own output).
+llama.cpp's quantizer widens a whole tensor to float32 first (671 MB for the default model's embedding);
+rows are independent in every ggml block format, so ~16 MB of rows at a time gives the same bytes.
 """
 
 from __future__ import annotations

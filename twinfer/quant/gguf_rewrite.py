@@ -1,9 +1,7 @@
 """Rewrite a GGUF file: copy its metadata and tensors, changing what the caller asks.
 
-The one copy loop behind `twinfer prune` (fewer layers and experts) and `twinfer quantize --gguf`
-(re-typed projections). Metadata comes from twinfer's own parser (`gguf.GGUFReader` takes ~16 s on a
-262k-entry vocabulary; this takes milliseconds), extended to record each key's value type, and the
-file is written with `gguf.GGUFWriter` to a temporary name, then moved into place.
+The one copy loop behind `twinfer prune` and `twinfer quantize --gguf`: metadata from twinfer's own
+parser (fast on large vocabularies), written with `gguf.GGUFWriter` to a temporary name, then moved.
 """
 
 from __future__ import annotations

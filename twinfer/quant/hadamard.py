@@ -1,16 +1,8 @@
 """Seeded random rotation as fast Walsh-Hadamard transforms with random sign flips.
 
-``R = H S_k ... H S_1`` where ``H`` is the orthonormal Sylvester Hadamard matrix of size ``D`` (a
-power of two) and ``S_i = diag(signs[i])``; applying it costs ``O(k D log D)``. One round spreads
-a typical vector evenly, but maps a one-hot vector to coordinates of exactly ``+-1/sqrt(D)``, far
-from the Gaussian-like law TurboQuant's codebook expects (2.2x the 2-bit distortion at D = 128).
-After two rounds every one-hot vector shares one draw of coordinate values, so a bad seed costs up
-to 1.4x; three rounds (the default) keep structured inputs within ~4% of a uniformly random
-rotation for every seed tried.
-
-Inputs whose dimension is not a power of two are zero-padded to the next one; ``inverse`` drops the
-padding. Backends reproduce the rotation from ``signs`` (float32 ``[rounds, D]``) with their own
-FWHT (``mx.hadamard_transform`` uses the same Sylvester order and ``1/sqrt(D)`` scale).
+`R = H S_k ... H S_1`, `H` the orthonormal Sylvester Hadamard matrix of size D (a power of two; other
+sizes are zero-padded), `S_i = diag(signs[i])`. Three rounds by default: one round maps a one-hot vector
+far from TurboQuant's assumed law (docs/quantization.md, "Layouts"). Backends rebuild it from `signs`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """KL divergence of next-token distributions: how faithfully a candidate serves a reference.
 
-Both sides score the same token stream, teacher-forced, row by row. The statistics follow llama.cpp's
-`llama-perplexity --kl-divergence`: mean, median, p99 and max of KL(reference || candidate), how
-often the two agree on the most likely token ("same top p" in llama.cpp's output) and, when the
-scored tokens are known, the RMS difference of the probability each side gives the actual next token
-("RMS delta p").
+Both sides score the same token stream, teacher-forced; the statistics follow llama.cpp's
+`llama-perplexity --kl-divergence` (mean, median, p99, max, same top token, RMS delta p).
 """
 
 from __future__ import annotations

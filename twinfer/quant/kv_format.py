@@ -1,17 +1,8 @@
 """KV-cache formats the torch and MLX backends run: TurboQuant per head, optionally QJL keys.
 
-A format string is ``tq<rate>`` (``tq2``, ``tq2.5``, ``tq3``, ``tq3.5``, ``tq4``...): keys and values
-of every head are coded by TurboQuant-MSE at ``rate`` bits per element. ``tq<bits>-qjl`` (integer
-bits >= 2) codes keys with TurboQuant-prod instead (``bits - 1`` MSE bits plus a 1-bit QJL sketch
-of the residual, unbiased ``q . k``); values stay on TurboQuant-MSE at ``bits``.
-
-At a fractional rate each head's outlier channels (the top ``(rate - floor(rate)) * head_dim`` by
-RMS) are chosen from the first block of keys/values a layer stores, then fixed.
-
-``tq<rate>c`` also subtracts each head's mean key and mean value (taken from that same first block)
-before coding: Gemma-style keys carry a large component shared by every token, and TurboQuant's
-error scales with the whole norm. The key mean adds the same ``q . mean`` to every score of a query,
-which softmax ignores, so it is never added back; the value mean is added to the attention output.
+`tq<rate>`: keys and values by TurboQuant-MSE at `rate` bits (fractional rates pick outlier channels
+from a layer's first block); `tq<bits>-qjl`: keys by TurboQuant-prod; `tq<rate>c`: each head's mean key
+and value subtracted first (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Quantized linear weights: one container for every registry format, and its flat tensor layout.
 
-A :class:`QuantizedWeight` is what a quantized model hands a backend's ``Ops.weight`` in place of a
-float32 array: the format name, the logical ``[out, in]`` shape and the packed object from the
-format's module (``affine.AffineTensor``, ``turboquant_weight.TQWeight``, ``fp8.FP8Tensor``, ...).
-Backends pick their run-time path from ``fmt`` (``mx.quantized_matmul`` for affine on MLX, rotate-
-and-lookup for TurboQuant) and fall back to :meth:`QuantizedWeight.dequantize` for the rest.
-
-``to_tensors``/``from_tensors`` turn the packed object into named numpy arrays plus JSON metadata
-(what a quantized model folder stores) and back, bit for bit.
+A `QuantizedWeight` is what a quantized model hands `Ops.weight`: format name, logical [out, in] shape
+and the format's packed object. Backends choose a run-time path by `fmt` and fall back to
+`dequantize`; `to_tensors`/`from_tensors` round-trip it bit for bit.
 """
 
 from __future__ import annotations

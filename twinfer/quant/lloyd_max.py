@@ -1,13 +1,7 @@
 """Lloyd-Max scalar codebooks for one coordinate of a randomly rotated unit vector.
 
-A uniformly random unit vector in ``R^d`` has coordinates with density
-``f(x) ∝ (1 - x^2)^((d - 3) / 2)`` on ``[-1, 1]`` (a shifted, scaled Beta(½(d-1), ½(d-1))), with
-variance exactly ``1/d``; as ``d`` grows it tends to ``N(0, 1/d)``. Codebooks here are in units of
-that standard deviation (``z = x * sqrt(d)``, unit variance), so one table serves every vector norm.
-
-The Lloyd-Max iteration (boundaries at midpoints, centroids at conditional means) runs on cumulative
-integrals of the density tabulated on a fine grid. ``distortion`` is ``E[(z - Q(z))^2]``, which for a
-unit vector equals ``E||x - x_hat||^2`` summed over all ``d`` coordinates: TurboQuant's D_mse.
+Codebooks are in units of the coordinate's standard deviation (`z = x * sqrt(d)`), so one table serves
+every norm; `distortion` is E[(z - Q(z))^2], TurboQuant's D_mse for a unit vector.
 """
 
 from __future__ import annotations

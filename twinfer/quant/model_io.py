@@ -1,12 +1,8 @@
 """Quantize a loaded model's weights in memory, and write a quantized model folder.
 
-`quantizable(weights)` lists the tensors a format assignment covers: every decoder layer's 2-D
-projection (q, k, v, o, gate, up, down). Embeddings, norms and MoE expert stacks stay as stored.
-
-`QuantizedView` is a weight mapping for the runner builders: assigned names come back as
-`QuantizedWeight`, the rest as float32. `write_quantized` stores such a model as a folder that
-`runtime.loaders.load_model` opens on every Ops backend (see runtime/loaders/quantized.py);
-`quant/gguf_export.py` turns a folder made from a GGUF file into a GGUF file llama.cpp runs.
+`quantizable` lists every decoder layer's 2-D projection; embeddings, norms and expert stacks stay.
+`QuantizedView` serves assigned names as `QuantizedWeight`; `write_quantized` writes a folder
+`runtime.loaders.load_model` opens on every Ops backend.
 """
 
 from __future__ import annotations

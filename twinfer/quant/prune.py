@@ -1,15 +1,8 @@
 """Pruning: remove the transformer blocks (and MoE experts) that change the model least.
 
-Layers are ranked one of two ways. `kl` (the default) removes them greedily by what they cost at the
-output: each round tries every remaining layer on top of those already removed and keeps the removal
-with the least KL(original || pruned) on the corpus, which is what pruning is judged by. `influence`
-is ShortGPT's *block influence* (Men et al. 2024): 1 - cos(input, output) of each block's hidden
-states, averaged over tokens of a corpus; one pass, but local: a block that barely turns the residual
-stream can still matter downstream (on Gemma 3 270M it ranks the last block among the first six to
-go, which costs 6.9 nats, see docs/quantization.md). Experts are ranked per layer by how much routing mass
-they receive on the corpus: sum over tokens of the renormalized gate weight (routing frequency x gate
-weight). The pruned model is written in the input's format (see `prune_write.py`), so every backend
-that ran the original runs the pruned one.
+Layers are ranked by `kl` (default: greedy, the removal with least KL(original || pruned) each round) or
+`influence` (ShortGPT's block influence, one pass but local); experts per layer by the routing mass they
+receive. The pruned model is written in the input's format (docs/quantization.md, "Pruning").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Write a pruned model in the format it came in, copying the kept tensors' stored bytes unchanged.
 
-GGUF: tensors of kept blocks are renumbered (`blk.7.*` -> `blk.5.*`), `{arch}.block_count` and per-layer
-metadata arrays follow, and a mix of sliding and full layers (Gemma 3, gpt-oss) is written per layer
-(`{arch}.attention.sliding_window_pattern`, which llama.cpp's `load_swa_pattern` reads) because
-removing blocks moves the default pattern (every sixth layer global, every other one sliding).
-Quantized blocks are copied, not requantized.
-Hugging Face folders: safetensors shards with renumbered names, config.json with the new
-`num_hidden_layers`, explicit `layer_types` and expert count; tokenizer and other files copied.
+GGUF: kept blocks renumbered, per-layer metadata follows, the sliding/full pattern written per layer.
+Hugging Face folders: renumbered shards, config.json with the new counts and explicit `layer_types`.
 """
 
 from __future__ import annotations

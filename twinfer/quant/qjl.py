@@ -1,20 +1,8 @@
 """TurboQuant-prod: an unbiased inner-product quantizer (arXiv 2504.19874, Algorithm 2).
 
-An MSE quantizer is biased for inner products: its centroids shrink vectors toward zero (at 1 bit
-``E<y, x_hat> = (2/pi) <y, x>`` for large ``d``). TurboQuant-prod spends ``b - 1`` bits on
-TurboQuant-MSE and the last bit on a 1-bit Quantized JL sketch of the residual ``r = x - x_mse``:
-``signs = sign(S r)`` with ``S`` a seeded ``[dim, dim]`` matrix of i.i.d. N(0, 1) entries, plus
-``||r||``. The estimate
-
-    <y, x>  ~  <y, x_mse> + ||r|| * sqrt(pi/2) / dim * <S y, signs>
-
-is unbiased over the draw of ``S``, with variance at most ``(sqrt(3) pi^2 / d) 4^-b ||y||^2`` for a
-unit ``x`` (the paper quotes ~1.57/d, 0.56/d, 0.18/d, 0.047/d for b = 1..4).
-
-Stored per vector: the MSE part (:class:`TQCodes`, absent at ``b = 1``), ``signs`` uint8
-``[n, ceil(dim/8)]`` (bit ``j`` of the row, little-endian, is ``S r >= 0`` for sketch row ``j``)
-and ``res_norms`` float16 ``[n]``. A backend sketches each query once (``S q``) and then needs only
-sign flips and adds per key.
+`b - 1` bits of TurboQuant-MSE plus a 1-bit QJL sketch of the residual: `signs` uint8 [n, ceil(dim/8)]
+(bit j, little-endian, is `S r >= 0`) and `res_norms` float16 [n]; the estimate
+`<y, x_mse> + ||r|| sqrt(pi/2) / dim <S y, signs>` is unbiased (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

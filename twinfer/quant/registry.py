@@ -1,13 +1,7 @@
 """The weight formats twinfer can produce, their storage cost, and where they run natively.
 
-``bits_per_weight`` counts everything stored per weight: codes plus amortized scales, biases and
-norms, assuming the sizes a served checkpoint uses: affine groups of 64 with float16 scale and bias
-(mlx-lm's layout), float16 TurboQuant norms per 128-element vector (twice at fractional rates: one
-per channel set), one FP32 global scale per tensor (negligible, not counted).
-
-"Native" means the hardware's tensor cores consume the format directly, so compression costs no
-kernel time. Everything else pays a dequantization loop inside the matmul: worth it where memory
-bandwidth is the bottleneck (laptops), pure overhead where it is not (docs/architecture.md, the planner).
+`bits_per_weight` counts codes plus amortized scales, biases and norms at a served checkpoint's sizes.
+"Native": tensor cores consume the format directly; everything else pays a dequantization loop.
 """
 
 from __future__ import annotations

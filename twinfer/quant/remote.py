@@ -1,19 +1,8 @@
 """`twinfer eval kl --candidate URL`: how faithfully an OpenAI-compatible endpoint serves a model.
 
-The reference is a local SPEC (quant/fidelity.py) with its full next-token distribution; the
-endpoint scores the same token stream, teacher-forced, through the completions API with token-id
-prompts. It gives its top-k logprobs either for every prompt token at once (`echo` + `logprobs`,
-vLLM's and OpenAI's legacy prompt logprobs) or, where it refuses that, one position per request
-(`max_tokens=1`, `logprobs=k`, k <= 20 on OpenAI's API). KL is estimated from the top k with a censored log-normal
-model of the tail (quant/topk_kl.py); the plain tail-bucket lower bound is reported beside it.
-
-Before scoring, the endpoint's tokenizer must agree with the model's on the corpus (vLLM's
-`/tokenize` where it exists, else the prompt token count the endpoint reports).
-
-The verdict (quant/allowance.py) weighs the KL against a kernel floor: where the reference is llama.cpp,
-its KL against its own other kernel path (weights repacked vs as stored) on the same windows, measured
-here; otherwise a declared class. The report prints the floor, where it came from, and which kernels the
-reference ran.
+The endpoint scores the reference's token stream through the completions API (prompt logprobs, or one
+position per request); KL comes from its top k (quant/topk_kl.py), and the verdict weighs it against a
+kernel floor (quant/allowance.py). Tokenizers must agree on the corpus first.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Choose a weight format per tensor that minimizes measured KL at a bits-per-weight budget.
 
-1. Sensitivities: for every group of tensors (a layer's attention projections, or its MLP; or
-   single tensors) and every candidate format, quantize that group alone and measure KL against the
-   unquantized model on the same teacher-forced windows.
-2. Allocation: assume the groups' KLs add and solve the multiple-choice knapsack (minimize summed
-   KL, average bits <= budget) by a Lagrangian sweep plus greedy fill of the leftover bits.
-3. Interactions: KLs do not add (errors in different layers can cancel or compound), so measure the
-   allocation as a whole, then try the moves the additive model ranks best (raise one group a format,
-   lower another, staying in budget) and keep a move only when the *measured* KL drops.
-
-`KLProbe` does the measuring on the torch backend in float32, on a runner from the `RunnerFactory`
-it is handed: reference logits once, then each assignment by swapping dequantized weights into one
-runner (the quantized kernels compute the same products; tests/test_quant_backends.py checks that).
+Measure each group's KL alone, solve the multiple-choice knapsack on the sum, then keep only the moves
+that lower the *measured* KL of the whole assignment (docs/quantization.md). `KLProbe` measures on the
+torch backend in float32 by swapping dequantized weights into one runner.
 """
 
 from __future__ import annotations

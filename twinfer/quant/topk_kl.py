@@ -1,26 +1,9 @@
 """KL against a distribution known only by its top k: what an OpenAI-compatible endpoint returns.
 
-An endpoint's `logprobs` give the candidate's k most likely tokens S; p, the reference's distribution,
-is known in full. Two estimates of KL(p || q):
-
-- the tail bucket (a lower bound): keep S and lump the rest of the vocabulary into one bucket,
-
-      KL_k = sum_{i in S} p_i log(p_i / q_i) + p_tail log(p_tail / q_tail).
-
-  Merging outcomes never increases KL (the log-sum inequality), so KL_k <= KL: what it misses is the
-  divergence inside the tail, which on a degraded candidate is about half of it.
-- the censored tail model (the default estimate): treat the log-ratio d_i = log q_i - log p_i as
-  Gaussian noise N(mu, sigma^2) across tokens. For the reference's `TAIL_TOKENS` most likely tokens, d_i
-  is seen where the token is in S and otherwise only bounded, d_i < log q_min - log p_i (it fell below
-  the candidate's k-th logprob): a censored (Tobit) sample, whose maximum-likelihood sigma is free of
-  the selection bias the seen tokens alone carry (they made S because their d was high). Log-normal
-  noise inside the tail adds p_tail * sigma^2 / 2 to the bucket's term:
-
-      KL_est = KL_k + p_tail * sigma^2 / 2.
-
-  Measured against the exact KL (`bench/topk_kl_error.py`, docs/quantization.md) it is 3-18% below
-  it at k = 5..20 on every candidate measured (it does not overshoot); it is exact
-  when nothing is truncated (p_tail = 0) and zero for an identical candidate (sigma -> 0).
+Two estimates of KL(p || q): the tail bucket (a lower bound: the rest of the vocabulary as one outcome)
+and, by default, that bound plus `p_tail * sigma^2 / 2` from a censored (Tobit) Gaussian fit of the
+log-ratios. Exact when nothing is truncated, zero for an identical candidate (docs/quantization.md,
+"Layouts").
 """
 
 from __future__ import annotations

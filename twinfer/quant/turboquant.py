@@ -1,26 +1,9 @@
 """TurboQuant (Zandieh, Daliri, Hadian, Mirrokni, arXiv 2504.19874): rotate, then scalar-quantize.
 
-TurboQuant-MSE stores each vector as its norm plus, per coordinate of the randomly rotated unit
-vector, the index of the nearest Lloyd-Max centroid for the rotated-coordinate law. The paper bounds
-the distortion of a unit vector by ``E||x - x_hat||^2 <= (sqrt(3) pi / 2) 4^-b`` and quotes
-``~0.36, 0.117, 0.03, 0.009`` for ``b = 1..4``; the computed codebooks give 0.363, 0.117, 0.0345
-and 0.0095 in the Gaussian limit, a little less at finite ``d``.
-
-Fractional rates (2.5, 3.5 bits) split the channels of each vector into a fixed outlier set,
-chosen once by magnitude on calibration data, quantized at ``floor(rate) + 1`` bits, and the rest at
-``floor(rate)`` bits; each set has its own rotation, codebook and norm. The outlier count is
-``(rate - floor(rate)) * dim``, so the code bits average exactly ``rate``.
-
-Stored layout (what a backend consumes), per channel set, for vectors ``[n, dim]``:
-
-* ``codes`` uint8 ``[n, D * bits / 8]``: the ``D = next_pow2(dim)`` codes of each rotated vector,
-  bit-packed little-endian (code ``i`` in bits ``[i*bits, (i+1)*bits)`` of the row);
-* ``norms`` float16 ``[n]``: ``||x||`` (a zero vector decodes to zeros);
-* shared, from the quantizer: ``rotation.signs`` float32 ``[rounds, D]`` and
-  ``codebook.centroids`` (standard-deviation units; multiply by ``norm / sqrt(D)``).
-
-Decoding: ``x_hat = R^T (centroids[codes] * norm / sqrt(D))``. Because ``R`` is orthogonal, an inner
-product with a query ``q`` can stay in the rotated domain: ``<q, x_hat> = <R q, y_hat>``.
+Each vector is its norm plus, per rotated coordinate, a Lloyd-Max code; fractional rates split channels
+into an outlier set at `floor(rate) + 1` bits and the rest at `floor(rate)`. Per channel set: `codes`
+uint8 [n, D * bits / 8] (little-endian), `norms` float16 [n]; decode `R^T (centroids[codes] * norm /
+sqrt(D))` (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

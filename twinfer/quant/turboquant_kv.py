@@ -1,17 +1,8 @@
-"""TurboQuant for the KV cache: quantize blocks ``[tokens, heads, head_dim]``, each head's vector alone.
+"""TurboQuant for the KV cache: quantize blocks [tokens, heads, head_dim], each head's vector alone.
 
-Keys and values of every head share one rotation and codebook per channel set (a rotation is
-data-oblivious, so sharing costs nothing); at a fractional rate each head has its own outlier
-channels, chosen once from a calibration block (:meth:`TurboQuantKV.calibrate`).
-
-Attention never needs the keys back in the original basis: ``q . k = (R q) . (R k)``, so a backend
-rotates each query once per step and dots it with ``centroids[codes] * norm / sqrt(D)`` (see
-:meth:`TurboQuantKV.scores`). Values are decoded (or the probability-weighted sum is formed in the
-rotated domain and rotated back once per query).
-
-With ``inner_product=True`` (keys only, integer rates) each vector is coded by TurboQuant-prod:
-``bits - 1`` MSE bits plus a 1-bit QJL residual sketch, which makes ``q . k`` unbiased at the cost of
-more variance; values must stay on the MSE quantizer.
+One rotation and codebook per channel set; outlier channels per head at fractional rates
+(`TurboQuantKV.calibrate`). Scores stay rotated: `q . k = (R q) . (R k)`. `inner_product=True` codes
+keys by TurboQuant-prod (unbiased `q . k`, more variance).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """TurboQuant for weights: rotate input channels, quantize rows, rotate activations at run time.
 
-A weight ``W [out, in]`` is cut along its input channels into ``G = in / block`` blocks; every
-``(row, block)`` slice is one vector for :class:`~twinfer.quant.turboquant.TurboQuant` (its own
-norm, shared rotation and codebook). ``block`` is the largest power of two dividing ``in``, up to
-128 (640 -> 128, 2048 -> 128); an ``in`` with no power-of-two factor of at least 16 becomes one
-zero-padded block.
-
-Run time: ``y = x @ W.T = sum_g (R x_g) . (R W_g)``: rotate each activation block once (a few FWHTs),
-then multiply by the codebook-decoded rotated weight. :func:`matmul` is that reference; a backend
-fuses the codebook lookup into its GEMM and never materializes the dequantized matrix.
-
-At fractional rates the outlier input channels of each block are picked by magnitude, from
-calibration activations ``[n, in]`` when given (the channels that carry the most signal) or else
-from the weight's own columns.
+`W [out, in]` is cut into input blocks (the largest power of two dividing `in`, up to 128); each
+(row, block) is one TurboQuant vector. `y = sum_g (R x_g) . (R W_g)`: `matmul` is the reference a
+backend fuses into its GEMM.
 """
 
 from __future__ import annotations
