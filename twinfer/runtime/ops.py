@@ -1,11 +1,7 @@
 """The Ops interface: the operations an architecture's forward pass is written over.
 
-Model files in `runtime/models/` call these and nothing else that touches arrays, apart from
-`+`, `*`, `.reshape(...)` and basic slicing (`x[..., :n]`), which torch and MLX arrays both support. A backend (`backends/cuda`
-with torch, `backends/metal` with MLX) implements Ops once and runs every architecture.
-
-Shapes: T is the number of tokens in the step (all sequences flattened), C the hidden size,
-H/Hkv the query/KV heads, D the head dim, E the number of experts.
+Model files call these and nothing else that touches arrays, besides `+`, `*`, `.reshape` and basic
+slicing. Shapes: T tokens in the step, C hidden, H/Hkv query/KV heads, D head dim, E experts.
 """
 
 from __future__ import annotations
@@ -33,20 +29,14 @@ class ExpertExtras:
 
 
 class StepContext(Protocol):
-    """Per-step device state a backend builds from a StepBatch (positions, KV slots, masks).
-
-    Model code passes it through to `rope` and `attention` without looking inside.
-    """
+    """Per-step device state a backend builds from a StepBatch; model code passes it through unread."""
 
     tokens: Array  # [T] int token ids on the device
 
 
 class Ops(Protocol):
-    """Array operations over one backend's device. Created by the backend with its KV storage.
-
-    Called by `runtime.runner.OpsRunner` (begin_step, select_rows) and by model files (the rest),
-    once per step, from one thread. No method waits for the device except `to_host`.
-    """
+    """Array operations over one backend's device, called once per step from one thread (OpsRunner and
+    model files). No method waits for the device except `to_host`."""
 
     def begin_step(self, batch: StepBatch) -> StepContext:
         """Upload the batch's ids, positions and KV slot tables; the KV blocks must be allocated."""
@@ -100,13 +90,9 @@ class Ops(Protocol):
     ) -> Array:
         """Store k, v [T, Hkv, D] in layer's KV cache, then attend causally: q [T, H, D] -> [T, H, D].
 
-        k and v None: attend over layer's cache as earlier layers of this step left it, storing
-        nothing (a layer that reuses another layer's KV, `ModelSpec.kv_source`). Head sizes and KV
-        heads are the layer's own (`ModelSpec.head_dim_for`, `kv_heads_for`).
-
-        Each query sees its own sequence's keys up to its position, limited to the layer's sliding
-        window when it has one. Scale is the spec's attention_scale. `sinks` [H] are per-head logits
-        that join every softmax's denominator and attend to nothing (gpt-oss).
+        k and v None: attend over the cache as earlier layers left it (`ModelSpec.kv_source`). Each query
+        sees its sequence's keys up to its position, within the layer's window; `sinks` [H] join every
+        softmax's denominator (gpt-oss).
         """
         ...
 
@@ -114,14 +100,9 @@ class Ops(Protocol):
         self, q: Array, q_rope: Array, latent: Array, k_rope: Array, ctx: StepContext, layer: int,
         selection: int | None = None,
     ) -> Array:
-        """Multi-head latent attention (MLA) over a cache of one latent per token, shared by all heads.
-
-        Stores [latent, k_rope] per token (latent [T, R]: the normalized KV latent of rank
-        R = kv_lora_rank; k_rope [T, P]: the rotated key part) in layer's cache. q [T, H, R] are the
-        queries absorbed into latent space, q_rope [T, H, P] their rotated part. Scores are
-        q . latent + q_rope . k_rope; values are the latents: -> [T, H, R]. Causal, scaled like `attention`.
-        `selection`: attend only to the tokens `indexer_topk` chose at that layer earlier in this step.
-        """
+        """Multi-head latent attention (MLA) over one cached [latent, k_rope] per token: q [T, H, R]
+        absorbed, q_rope [T, H, P]; scores q . latent + q_rope . k_rope, values the latents -> [T, H, R].
+        `selection`: attend only to the tokens `indexer_topk` chose at that layer this step."""
         ...
 
     def indexer_topk(self, q: Array, k: Array, weights: Array, ctx: StepContext, layer: int, top_k: int) -> None:

@@ -1,15 +1,8 @@
 """The runner interface: `step(batch) -> logits for the rows to sample`.
 
-Two kinds implement it: `OpsRunner` (an architecture from runtime/models over a backend's Ops) and
-whole-model runners such as llama.cpp's. The engine owns scheduling and KV accounting; a runner
-only computes, and declares what it needs from the scheduler:
-
-- `kv` (`KVLayout`): how many blocks of how many positions, how many sequences at once, and the
-  cells one sequence may hold when each has its own;
-- `exact_shapes()`: the step shapes that keep its logits independent of batching, for the engine's
-  batch-invariant mode (None: every shape does);
-- `kv_sync(...)`: how its KV storage follows the block accounting (a `KVSync`; paged runners need
-  nothing, a runner that stores KV per sequence copies prefixes and keeps finished ones).
+`OpsRunner` runs an architecture over a backend's Ops; whole-model runners (llama.cpp) compute alone.
+A runner declares what it needs from the scheduler: `kv`, `exact_shapes()`, `kv_sync(...)`
+(docs/architecture.md, "The runner contract").
 """
 
 from __future__ import annotations
@@ -33,15 +26,10 @@ from twinfer.runtime.spec import ModelSpec
 class KVLayout:
     """How a runner's KV cache is addressed.
 
-    Paged runners hold `num_blocks` blocks of `block_size` positions each and read the chunks'
-    block tables. Sequence-slot runners keep KV per `seq_id`, at most `max_seqs` sequences at once,
-    with at most `num_blocks * block_size` cells in total; they ignore block tables. `seq_tokens`
-    caps one sequence when the runner gives each sequence its own cells; such runners cannot share
-    cells between sequences, so the engine turns prefix reuse off unless `copies_prefix` says the
-    runner can copy one sequence's prefix into another's cells (llama.cpp's per-sequence streams).
-    `recurrent`: each sequence also carries a state that only moves forward (linear-attention layers,
-    kv/recurrent.py): it cannot be shared by prefix nor rolled back, so the engine turns prefix reuse
-    off and refuses speculative decoding; a preempted sequence recomputes from position 0.
+    Paged runners hold `num_blocks` blocks of `block_size` positions and read block tables. Slot runners
+    keep KV per `seq_id` (at most `max_seqs`, `num_blocks * block_size` cells in all); `seq_tokens` caps
+    one sequence when each has its own cells, and then prefix reuse needs `copies_prefix`. `recurrent`:
+    a forward-only state per sequence, so no prefix reuse, no speculation, preemption recomputes.
     """
 
     block_size: int
@@ -64,14 +52,9 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class ExactShapes:
-    """Step shapes under which a runner gives every row the logits it would get alone.
-
-    A runner whose kernels are not batch-invariant declares them; in batch-invariant mode the
-    scheduler then builds only such steps: each prompt chunk alone, at fixed chunk boundaries (so
-    no prefix reuse); at most `decode_rows` one-token rows per step; drafted tokens verified only
-    while one request runs. `reserved_seqs` of the layout's `max_seqs` stay with the runner (it may
-    pad a lone row with a sequence of its own when `StepBatch.exact` is set).
-    """
+    """Step shapes under which a runner gives every row the logits it would get alone: in batch-invariant
+    mode each prompt chunk alone at fixed boundaries, at most `decode_rows` one-token rows, drafts only
+    while one request runs; `reserved_seqs` stay with the runner to pad a lone row (`StepBatch.exact`)."""
 
     decode_rows: int
     reserved_seqs: int = 0
@@ -84,11 +67,9 @@ class ExactShapes:
 class KVSync:
     """Keeps a runner's KV storage in step with the engine's block accounting.
 
-    Made by `Runner.kv_sync` for one engine and called by that engine, from its one thread, at fixed
-    points of every step. Paged runners read the block tables the engine hands them, so this base
-    does nothing and every cached block may be reused. A runner that stores KV per sequence returns
-    its own: it shares a cached prefix by copying it from a sequence that still holds it, and keeps
-    finished sequences' cached blocks for reuse while it has room. Evicting nothing is always safe.
+    Made by `Runner.kv_sync` for one engine and called from its thread at fixed points of every step.
+    This base suits paged runners (does nothing); a per-sequence runner copies prefixes and keeps finished
+    sequences' blocks while it has room. Evicting nothing is always safe.
     """
 
     def reusable(self, block_ids: list[int]) -> int:
@@ -119,10 +100,8 @@ class KVSync:
 class Runner(ABC):
     """Computes logits for a StepBatch. Called by the engine from one thread, one step at a time.
 
-    Contract: rows come back in `batch.logit_token_index()` order as float32 [rows, vocab]; the KV
-    of every chunk's tokens is stored before `step` returns, so the next step may continue them.
-    A chunk may start before the positions the runner holds for its sequence (a rolled-back draft):
-    positions from `start` on are overwritten.
+    Rows come back in `batch.logit_token_index()` order as float32 [rows, vocab]; every chunk's KV is
+    stored before `step` returns. A chunk starting before the held positions overwrites from `start` on.
     """
 
     spec: ModelSpec
@@ -137,9 +116,8 @@ class Runner(ABC):
         """Run one forward pass; return float32 logits [batch.num_logit_rows, vocab]."""
 
     def step_borrowed(self, batch: StepBatch) -> np.ndarray:
-        """`step`, whose rows may be a view of the runner's own buffer, valid only until the next call
-        into the runner. The engine reads a step's logits before anything else runs; callers that keep
-        rows (measuring harnesses, tests) call `step`."""
+        """`step`, whose rows may be a view of the runner's buffer, valid until the next call into it;
+        callers that keep rows call `step`."""
         return self.step(batch)
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook

@@ -1,28 +1,10 @@
 """KV hand-over between replicas (prefill/decode disaggregation), modeled on vLLM's KV connector.
 
-vLLM splits a connector (vllm/distributed/kv_transfer/kv_connector/v1/base.py) into a scheduler
-side and a worker side; `KVConnector` keeps that split and those names:
-
-- scheduler side, called by the engine's scheduler and engine on their one thread:
-  `get_num_new_matched_tokens(request, num_computed)` -> how many prompt tokens the connector
-  will supply (None while their KV is still on its way), `update_state_after_alloc(request,
-  block_ids, num_external_tokens)` once blocks hold room for them, `request_finished(request,
-  block_ids)` -> (delay_free, kv_transfer_params) when a request that hands its KV on ends;
-- worker side, over the runner's `KVPort`: `start_load_kv()` writes every pending request's KV
-  into the runner, `wait_for_layer_load(layer)`, `save_kv_layer(layer, ...)`, `wait_for_save()`.
-
-The flow is vLLM's: the proxy sends the prompt to a prefill replica with
-`kv_transfer_params={"do_remote_decode": true}` and max_tokens 1; that replica computes the prompt,
-copies its KV out of the cache at finish (so its blocks are freed at once: `delay_free` is False)
-and answers with `kv_transfer_params` naming where the KV waits (host, port, transfer id) and the
-token it sampled. The proxy sends the same request with those params to a decode replica, which
-fetches the KV in the background while the request waits, loads it into fresh blocks, emits the
-prefill's first token and continues decoding. A fetch that fails or outlives `timeout_s` makes
-the request recompute its prompt (the bill says why); KV nobody fetches expires after `ttl_s`.
-
-Transports: `TcpTransport` (a length-prefixed TCP exchange; loopback between local processes or
-across hosts) everywhere, and NIXL where the `nixl` package is installed (`make_transport`).
-Nothing here touches a device: runners move their bytes through `KVPort`.
+`KVConnector` keeps vLLM's split and names: a scheduler side (`get_num_new_matched_tokens`,
+`update_state_after_alloc`, `request_finished`) called on the engine's thread, and a worker side over
+the runner's `KVPort` (`start_load_kv`, `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`). A failed
+or late fetch makes the request recompute. The flow: docs/architecture.md, "Prefill/decode
+disaggregation"; docs/cluster.md. Nothing here touches a device.
 """
 
 from __future__ import annotations
@@ -46,12 +28,8 @@ MAX_PAYLOAD = 1 << 36  # 64 GiB: a sanity bound on the length prefix, not a poli
 
 
 class KVPort(Protocol):
-    """How one runner's KV leaves and enters its cache, layer by layer (the worker side's device half).
-
-    Called from the engine's thread between steps. `table` is the sequence's block table and
-    `num_tokens` the positions to move, from position 0. A runner that serializes a sequence whole
-    (llama.cpp's sequence state) has one layer.
-    """
+    """How one runner's KV leaves and enters its cache, layer by layer, called between steps: `table` is
+    the block table, `num_tokens` the positions from 0. A whole-sequence serializer has one layer."""
 
     format: str  # what the bytes are: a runner and model fingerprint both ends must share
 
@@ -71,9 +49,8 @@ class KVPort(Protocol):
 
 
 class PagedKVPort:
-    """What the torch and MLX ports share over an `Ops` paged cache (dense K/V; TurboQuant codes are
-    refused): a layer's payload is K then V of positions [0, num_tokens) in position order ([n, Hkv, D]
-    each; MLA: the latent only), independent of either replica's block size or block ids."""
+    """The torch and MLX ports over an `Ops` paged cache (dense K/V only): a layer's payload is K then V of
+    positions [0, num_tokens) in order, independent of either side's blocks."""
 
     backend = ""
 
@@ -207,12 +184,8 @@ class KVStore:
 
 
 class TcpTransport:
-    """Serves a `KVStore` over TCP and fetches from other replicas' stores.
-
-    Wire: the client sends a length-prefixed transfer id; the server answers with one length-prefixed
-    encoded `KVPayload` (or a header with an "error"). The listening port is the OS's choice unless
-    given, so two replicas in one process never collide.
-    """
+    """Serves a `KVStore` over TCP (length-prefixed id in, one encoded `KVPayload` out) and fetches from
+    other replicas' stores. The port is the OS's choice unless given."""
 
     name = "tcp"
 
@@ -310,11 +283,8 @@ class _Fetch:
 
 
 class KVConnector:
-    """One replica's connector: stores KV for decoders (prefill role) and fetches it (decode role).
-
-    `port` is the runner's KVPort (ValueError when it cannot hand KV over); `timeout_s` bounds a fetch,
-    after which the request recomputes.
-    """
+    """One replica's connector: stores KV for decoders (prefill role) and fetches it (decode role);
+    `timeout_s` bounds a fetch, after which the request recomputes."""
 
     def __init__(self, port: KVPort, transport: str = "tcp", host: str = "127.0.0.1", listen_port: int = 0,
                  timeout_s: float = 10.0, ttl_s: float = 60.0):
@@ -396,10 +366,8 @@ class KVConnector:
 
     # -- worker side ---------------------------------------------------------------------------------
     def start_load_kv(self, on_loaded: Callable[[Any, int, float, float], None]) -> list[Any]:
-        """Write every pending request's KV into the runner. Calls `on_loaded(request, tokens, kv_bytes,
-        seconds)` per success, `kv_bytes` the K/V payload alone (the prompt's KV size); what else came
-        over the wire goes to the request's bill as `kv_transfer_overhead`. Returns the requests whose
-        KV would not load (they recompute)."""
+        """Write every pending request's KV into the runner; `on_loaded(request, tokens, kv_bytes, seconds)`
+        per success. Returns the requests whose KV would not load (they recompute)."""
         failed = []
         pending, self._pending_loads = self._pending_loads, []
         for request, fetch in pending:

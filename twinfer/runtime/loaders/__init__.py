@@ -1,10 +1,7 @@
 """Model loaders: a GGUF file or a Hugging Face folder -> ModelSpec + lazily read canonical weights.
 
-    loaded = load_model("model.gguf")          # or a folder with config.json + *.safetensors
-    loaded.spec.num_layers, loaded.weights.load("layers.0.q")   # float32 [H*D, C]
-
-`load_model(None)` loads the embedded default model (see `default.py`). Weight names are mapped by
-the tables in `names.py`; a tensor that maps to nothing, or a missing one, is a `WeightError`.
+`load_model(path)` (None: the embedded default model); names map by the tables in `names.py`, and a
+tensor that maps to nothing, or a missing one, is a `WeightError`.
 """
 
 from __future__ import annotations

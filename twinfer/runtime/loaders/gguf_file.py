@@ -1,9 +1,5 @@
 """GGUF files (llama.cpp): metadata -> ModelSpec, tensors -> WeightSet (dequantized on access).
-
-The metadata every llama.cpp decoder writes (`{arch}.block_count`, `.attention.head_count`, ...)
-is read here; the architecture's file (`runtime/models/`) undoes its converter's conventions (a
-rope permutation, a norm offset, a layer pattern) through its GGUF name table and `gguf_spec`.
-"""
+Each architecture's file undoes its converter's conventions through its GGUF table and `gguf_spec`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Hugging Face model folders: config.json -> ModelSpec, safetensors (single or sharded) -> WeightSet.
-
-Reads configs written by transformers 4 (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`,
-per layer type). The fields every decoder has are read here; the architecture's file
-(`runtime/models/<model_type>.py`) supplies its config defaults (keys a config may leave out take
-the transformers class defaults), its own fields and its name table.
-"""
+Reads transformers 4 and 5 configs; the architecture's file supplies its defaults, fields and names."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """Weight-name tables: how a file format's tensor names become twinfer's canonical names.
 
-A table is data: a list of `Rule(source, target, transform)`. `source` is a file tensor name with
-`{i}` (layer), `{e}` (expert), `{part}` (one part of a packed weight, such as MXFP4's `blocks` and
-`scales`) and `{*}` (anything) placeholders; `target` is the canonical name with
-`{i}`, or None to drop the tensor on purpose (a vision tower in a text-only load). `transform` names
-an entry of `weights.TRANSFORMS` or of the table's own `transforms`. Several rules may read the same
-source (a fused gate/up tensor). Each architecture's tables live in its file in `runtime/models/`.
-
-Canonical names (matrices are [out, in] like torch's Linear) are listed by each architecture's
-`Model.weight_shapes`; the llama-style decoder's are
-  embed [V, C], norm [C], lm_head [V, C] (absent when tied)
-  layers.{i}.attn_norm, q [H*D, C], k/v [Hkv*D, C], o [C, H*D], q_bias/k_bias/v_bias,
-  q_norm/k_norm [D], mlp_norm (pre-FFN),
-  dense: gate/up [I, C], down [C, I]; MoE: router [E, C], experts.gate/up [E, I, C], experts.down [E, C, I]
+A table is a list of `Rule(source, target, transform)`: `source` with `{i}`, `{e}`, `{part}`, `{*}`
+placeholders, `target` a canonical name (None drops it on purpose), `transform` a named entry of
+`weights.TRANSFORMS` or the table's own. Canonical names and shapes: each `Model.weight_shapes`.
 """
 
 from __future__ import annotations

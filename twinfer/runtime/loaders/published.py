@@ -1,26 +1,9 @@
 """Published pre-quantized safetensors layouts, loaded as published (no conversion step).
 
-A Hugging Face folder whose config says how it was quantized is read in that layout:
-
-| layout | config | tensors of one linear `P` |
-| --- | --- | --- |
-| DeepSeek block FP8 | `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}` | `P.weight` F8_E4M3, `P.weight_scale_inv` F32 per 128x128 tile |
-| compressed-tensors FP8 | `quant_method: compressed-tensors`, `format: float-quantized` | `P.weight` F8_E4M3, `P.weight_scale` per tensor / channel / block (`P.input_scale`) |
-| compressed-tensors NVFP4 | `format: nvfp4-pack-quantized` | `P.weight_packed` U8, `P.weight_scale` F8_E4M3 per 16, `P.weight_global_scale` (its reciprocal multiplies) |
-| compressed-tensors INT4 / INT8 | `format: pack-quantized`, symmetric int groups (Kimi K2.5's experts) | `P.weight_packed` I32 (codes + 2**(bits-1), little-endian), `P.weight_scale` per group, `P.weight_shape` |
-| ModelOpt NVFP4 / FP8 | `quant_method: modelopt, quant_algo: NVFP4` (or `hf_quant_config.json`) | `P.weight` U8, `P.weight_scale` F8_E4M3 per 16, `P.weight_scale_2` F32 (`P.input_scale`) |
-| gpt-oss MXFP4 | `quant_method: mxfp4` | experts `*_blocks` U8, `*_scales` E8M0 (the gpt_oss name table) |
-| mlx-community affine | `quantization: {group_size, bits}` | `P.weight` U32 packed, `P.scales`, `P.biases` |
-
-`Layout.pack` folds each linear's tensors into one `PackedTensor` named `P.weight`, so every
-architecture's name table maps it unchanged. Its `read()` dequantizes with numpy (what the runtime
-and float consumers see); `PublishedWeightSet.load` hands the format layer's decoder (registered by
-`twinfer.quant.linear`) the packed parts in twinfer's field names, so backends keep them resident.
-Activation scales (`input_scale`, `input_global_scale`) are read past: weights are what is served.
-compressed-tensors' packed integers are MLX's affine layout with a fixed offset (bias = -2**(bits-1) * scale),
-so they become twinfer's `int4` / `int8` weights unchanged. A multimodal wrapper may nest the
-quantization config in its `text_config` (Kimi K2.5).
-An unknown method or an unsupported option is refused, naming the config field.
+DeepSeek block FP8, compressed-tensors FP8/NVFP4/INT4/INT8, ModelOpt NVFP4/FP8, gpt-oss MXFP4 and
+mlx-community affine, recognised from the config (docs/architecture.md, "Published quantized
+checkpoints"). `Layout.pack` folds each linear's parts into one `PackedTensor` named `P.weight`;
+activation scales are read past. An unknown method or option is refused, naming the config field.
 """
 
 from __future__ import annotations

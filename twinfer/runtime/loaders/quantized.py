@@ -1,16 +1,8 @@
 """Quantized model folders written by `twinfer quantize`: config.json + model.safetensors + tokenizer.
 
-config.json holds the ModelSpec (`twinfer_spec`) and `quantization_config` with `quant_method:
-"twinfer"`, per quantized tensor its format and metadata (`tensors`), and the KL the folder was
-measured at (`kl`). In model.safetensors a quantized weight `NAME` is stored as its parts,
-`NAME.<part>` (codes, scales, norms... as `quant.linear.QuantizedWeight.to_tensors` names them);
-every other tensor is stored under its canonical name in F32 or F16.
-
-Loading gives a `WeightSet` whose `load` returns float32 arrays for plain names and, for quantized
-ones, what the format layer's decoder makes of the stored parts: `twinfer.quant.linear` registers
-`QuantizedWeight.from_tensors` here when it is imported (the runtime never imports it), so any
-code that can use a `QuantizedWeight` gets one. Without a decoder a quantized name loads as its
-`PackedWeight` parts.
+config.json holds the ModelSpec and `quantization_config` (`quant_method: "twinfer"`, per-tensor formats,
+the measured KL); a quantized `NAME` is stored as `NAME.<part>`. `load` returns what the decoder that
+`twinfer.quant.linear` registers makes of the parts, or the `PackedWeight` parts without one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""safetensors files read with numpy alone (no torch), memory-mapped, bf16 included.
-
-Layout: u64 little-endian header size N, N bytes of JSON {name: {dtype, shape, data_offsets: [b, e]},
-"__metadata__": {...}}, then the data; offsets are relative to the end of the header.
-"""
+"""safetensors files read with numpy alone (no torch), memory-mapped, bf16 included."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """WeightSet: a model's tensors under canonical names, read from the file only when asked for.
 
-A `StoredTensor` is one tensor as the file holds it (GGUF block-quantized bytes or a safetensors
-array). A canonical weight is built from one or more stored tensors by an optional named transform
-(`TRANSFORMS`, or an architecture's own): un-permuting llama.cpp's rope layout, stacking or splitting
-experts, a norm offset.
-
-`WeightSet.load_region` reads a box of a weight (a tensor-parallel rank's rows or columns, an expert
-group's experts) from the file without reading the rest, where the format and transform allow.
+A canonical weight is built from stored tensors by an optional named transform (`TRANSFORMS` or the
+architecture's); `load_region` reads a box of a weight (a rank's rows, an expert group) alone.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""`Architecture`: what one model file declares about itself, for the loaders and the registry.
-
-The loaders hold the generic machinery (reading config.json and GGUF metadata, matching names,
-checking shapes); everything particular to an architecture comes from its `Architecture`:
-its weight-name tables, the transformers config defaults it relies on, and hooks that turn the
-generic spec fields into its own.
-"""
+"""`Architecture`: what one model file declares about itself (name tables, config defaults, spec hooks)
+for the generic loaders and the registry."""
 
 from __future__ import annotations
 

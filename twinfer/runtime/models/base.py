@@ -1,9 +1,5 @@
-"""The base of every architecture: a decoder-only transformer over the Ops interface.
-
-A model file subclasses `Model` and overrides only the blocks that differ (Gemma's extra norms,
-an MoE feed-forward, latent attention). Weights are a dict of canonical names; `weight_shapes`
-lists every one the architecture needs, and the loaders check a file against it.
-"""
+"""The base of every architecture: a decoder-only transformer over the Ops interface. A model file
+overrides only the blocks that differ; `weight_shapes` lists every weight the loaders check."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Name rules and config readers shared by the llama-family decoders (llama, mistral, qwen, ...).
-
-An architecture file builds its tables from these fragments and adds its own rules; nothing here
-is tied to one architecture.
-"""
+"""Name rules and config readers shared by the llama-family decoders (llama, mistral, qwen, ...)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """DeepSeek-V3 / R1 and Kimi K2 (`deepseek_v3`, `kimi_k2`): multi-head latent attention (MLA) and
-DeepSeek-MoE.
-
-Attention: queries through a low-rank bottleneck (`q_a` -> norm -> `q_b`, or one `q` without
-q-LoRA); keys and values from one latent per token of rank R = kv_lora_rank (`kv_a`, normalized)
-plus a P = qk_rope_head_dim rope key shared by all heads. The cache holds R + P numbers per token
-per layer. `kv_b` is absorbed: each head's key up-projection turns its no-rope query into latent
-space (`kv_b_k` [H, R, nope]) and its value up-projection is applied after attending (`kv_b_v`
-[H, V, R]), so attention runs over the latents directly. The softmax scale carries YaRN's mscale.
-Rope is interleaved in the checkpoints; the loader permutes the rope rows of `q`/`q_b` and `kv_a`
-to the half-split layout (the same permutation on queries and keys leaves every score unchanged).
-
-Feed-forward: `first_k_dense_replace` dense layers, then sigmoid-routed experts with shared experts
-(shared_experts.py). The multi-token-prediction layer after the last one is skipped by name.
-
-GGUF (`deepseek2`, llama.cpp's converter): MLA is written as multi-query attention over the latent
-(`head_count_kv` 1, `key_length` R + P, `value_length` R), with the real sizes in `key_length_mla`
-/ `value_length_mla`; `kv_b_proj` is already split into `attn_k_b` [H, R, nope] and `attn_v_b`
-[H, V, R] (older files keep `attn_kv_b`, split here as from the checkpoint). Rope rows stay
-interleaved, as in the checkpoint.
+DeepSeek-MoE; `kv_b` is absorbed so attention runs over the cached latents. Checkpoint and GGUF
+(`deepseek2`) conventions: docs/models.md, "DeepSeek-V3".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3 (deepseek_v3.py) with DeepSeek sparse attention (DSA).
-
-Each layer adds a lightning indexer that picks, for every query, the `index_topk` tokens its MLA
-attends to. The indexer has its own queries (`indexer.q` from the q latent, `index_n_heads` heads of
-`index_head_dim`) and one key per token (`indexer.k` from the layer input, then a LayerNorm with
-bias); both turn by the model's rope over their first `qk_rope_head_dim` dims (rope first, then the
-rest). A token's score for a query is sum_h w_h * relu(q_h . k), with per-head weights
-`indexer.weights` from the layer input scaled by (index_head_dim * index_n_heads) ** -0.5. The
-keys are cached beside the latents on the same slots (`DSASpec`), so prefix reuse and preemption
-see one paged cache. The selection is applied as a mask over the latent attention (exact).
-
-The indexer's rope is half-split in DeepSeek-V3.2 and interleaved in GLM-5 (glm_moe_dsa.py, which
-reuses this file); interleaved rows are permuted to half-split at load time, as for the MLA rope.
+"""DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3 with DeepSeek sparse attention (DSA): a lightning indexer
+picks each query's `index_topk` tokens, applied as an exact mask over the latent attention; its keys
+share the latents' slots (docs/models.md, "DeepSeek-V3.2").
 """
 
 from __future__ import annotations

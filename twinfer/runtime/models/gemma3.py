@@ -1,11 +1,6 @@
-"""Gemma 3 (text): interleaved sliding-window and global attention, QK-norm, sandwich norms.
-
-Differences from the Llama decoder: embeddings scaled by sqrt(C) (`spec.embed_scale`); each block
-normalizes both the input and the output of attention and of the MLP (four norms); GELU(tanh)-gated
-MLP; the local layers use their own rope base; attention scale is query_pre_attn_scalar ** -0.5;
-tied lm_head. Norm weights are the effective multipliers: HF checkpoints store `w` for a norm that
-computes `x * (1 + w)`, and the HF table folds the `1 +` in; llama.cpp's converter already did.
-"""
+"""Gemma 3 (text): interleaved sliding-window and global attention, QK-norm, sandwich norms, scaled
+embeddings, GELU(tanh) MLP, tied lm_head. Norm weights are the effective multipliers (the HF table folds
+the `1 +` in; llama.cpp's converter already did)."""
 
 from __future__ import annotations
 

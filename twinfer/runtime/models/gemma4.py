@@ -1,20 +1,6 @@
 """Gemma 4 (text): Gemma 3's sandwich-norm decoder with two kinds of attention layer, per-layer
-embeddings, KV shared by the last layers, and an MoE block beside the dense MLP.
-
-Differences from Gemma 3:
-- global (FULL) layers have their own head size and KV heads (`ModelSpec.global_head_dim`,
-  `global_kv_heads`) and "proportional" rope (runtime/rope.py); with `attention_k_eq_v` they have no
-  value projection: values are the keys before their norm and rope;
-- values are RMS-normalized without a scale (a unit weight made at load from the key norm's shape);
-  attention scale is 1 (query and key norms carry it);
-- the last `num_kv_shared_layers` layers compute no K/V: each attends over the cache of the last
-  earlier layer of its type (`ModelSpec.kv_source`), which the backends allocate for it alone;
-- per-layer embeddings (PLE): a second table gives each token a small vector per layer, mixed with a
-  projection of the token's embedding; each block gates its output with it and adds it back;
-- MoE configs (26B-A4B) run routed experts beside the dense MLP on the same residual: the router
-  reads the unnormalized residual, the experts their own normalized copy, and the two outputs are
-  normed and summed;
-- every block ends with a learned scalar (`layer_scalar`); norms store the multiplier itself (no `1 +`).
+embeddings, KV shared by the last layers, and an MoE block beside the dense MLP (docs/models.md,
+"Gemma 4").
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """GLM-4.5 / 4.6 / 4.5-Air (`glm4_moe`): grouped-query attention with partial rotary and optional
-QK-norm, DeepSeek-style MoE (sigmoid router with score-correction bias, group-limited top-k,
-routed scaling, one shared expert) after `first_k_dense_replace` dense layers.
-
-Rope turns the first `partial_rotary_factor` of each head (half-split layout); Q, K and V carry
-biases when `attention_bias`. Checkpoints append `num_nextn_predict_layers` multi-token-prediction
-layers after the last decoder layer; they are skipped by name.
-
-GGUF (`glm4moe`, llama.cpp's converter): the pre-FFN norm is `post_attention_norm`, rope turns
-`rope.dimension_count` dims of each head, and the `nextn_predict_layers` MTP blocks after the
-last layer are skipped like the checkpoint's.
+QK-norm, DeepSeek-style MoE after `first_k_dense_replace` dense layers; MTP layers are skipped by name
+(docs/models.md, "GLM-4.5").
 """
 
 from __future__ import annotations

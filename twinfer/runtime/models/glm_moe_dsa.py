@@ -1,13 +1,5 @@
-"""GLM-5 (`glm_moe_dsa`): DeepSeek-V3.2's sparse attention (deepseek_v32.py) with GLM's numbers.
-
-Two differences from DeepSeek-V3.2: the indexer's rope is interleaved (its rows are permuted to
-half-split at load, `deepseek_v32.INDEXER_INTERLEAVED`), and `indexer_types` may mark layers
-"shared": those run no indexer, cache no indexer key, and attend to the tokens the last "full"
-layer before them chose. Without `indexer_types` the pattern comes from `index_topk_pattern`
-("F"/"S" per layer) or from `index_topk_freq` / `index_skip_topk_offset`, as transformers derives it.
-
-GGUF (`glm-dsa`, llama.cpp's converter): deepseek2's MLA layout plus `blk.{i}.indexer.*`, the
-pattern in `attention.indexer.types`; the MTP blocks it appends are skipped.
+"""GLM-5 (`glm_moe_dsa`): DeepSeek-V3.2's sparse attention with an interleaved indexer rope and
+"shared" layers that reuse the last full layer's choice (docs/models.md, "GLM-5").
 """
 
 from __future__ import annotations

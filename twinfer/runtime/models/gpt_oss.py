@@ -1,19 +1,6 @@
-"""gpt-oss (`gpt_oss`): grouped-query attention with per-head sinks, alternating sliding-window and
-full layers, YaRN rope, biases on Q/K/V/O; MoE with a biased router (softmax over the top-k
-logits) and biased experts running a clamped SwiGLU: gate <= limit, |up| <= limit, then
-gate * sigmoid(alpha * gate) * (up + 1).
-
-transformers holds each layer's experts as `gate_up_proj` [E, C, 2I] with gate and up
-interleaved along the last axis (gate at even, up at odd columns) and `down_proj` [E, I, C]; the
-loader splits and transposes them to the canonical [E, I, C] / [E, C, I]. Published checkpoints
-(`quantization_config.quant_method: mxfp4`) store the experts as MXFP4 `*_blocks` [E, out, in/32, 16]
-and `*_scales` [E, out, in/32] (gate and up interleaved along the rows); they are dequantized here
-on load (E2M1 values, even element in the low nibble, scale 2**(code - 127)).
-
-GGUF (`gpt-oss`, llama.cpp's converter): experts already split into gate/up and transposed to
-[E, out, in] (MXFP4 or float blocks, dequantized by the reader), the pre-FFN norm is
-`post_attention_norm`, and sliding layers follow llama.cpp's default pattern (even layers slide)
-unless the file lists one. llama.cpp fixes the SwiGLU clamp at 7.0 and alpha at 1.702.
+"""gpt-oss (`gpt_oss`): attention with per-head sinks, alternating sliding and full layers, YaRN rope,
+biased Q/K/V/O; a biased router and experts running a clamped SwiGLU. Expert layouts (interleaved
+gate/up, MXFP4, GGUF): docs/models.md, "gpt-oss".
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Kimi K2.5 (`kimi_k25`): a multimodal wrapper around a DeepSeek-V3 text model, run as deepseek_v3.
-
-config.json nests the text model in `text_config` (model_type `kimi_k2` / `deepseek_v3`, the keys
-that differ from DeepseekV3Config's defaults); `tie_word_embeddings` is the wrapper's. Checkpoints
-hold the text model under `language_model.` (`language_model.model.layers...`,
-`language_model.lm_head`; transformers 5 holds `model.language_model.` and `lm_head`). Images are
-not supported yet: the MoonViT vision tower and the `mm_projector` are skipped by name, and an
-image in a request is refused by the chat layer. The published routed experts are INT4
-compressed-tensors (pack-quantized, symmetric groups of 32, `quantization_config` inside
-`text_config`), read as published by the generic loader (runtime/loaders/published.py).
-
-GGUF: llama.cpp's converter writes the text model as `deepseek2`, which deepseek_v3.py reads.
+The vision tower is skipped by name and images are refused; INT4 experts load as published
+(docs/models.md, "Kimi K2.5").
 """
 
 from __future__ import annotations

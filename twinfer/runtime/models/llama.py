@@ -1,9 +1,5 @@
-"""Llama 2/3: the plain pre-norm decoder of `base.Model`, SiLU-gated MLP, NeoX rope.
-
-Llama 3's rope frequency scaling comes from the spec (see runtime/rope.py). llama.cpp's converter
-permutes Q and K rows for its interleaved rope; the GGUF table un-permutes them. llama.cpp also
-stores Mixtral under this GGUF architecture, with experts: such a file becomes a `mixtral` spec.
-"""
+"""Llama 2/3: the plain pre-norm decoder of `base.Model`, SiLU-gated MLP, NeoX rope. The GGUF table
+un-permutes llama.cpp's Q/K rows; a GGUF "llama" with experts becomes a `mixtral` spec."""
 
 from __future__ import annotations
 

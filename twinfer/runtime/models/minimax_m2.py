@@ -1,21 +1,5 @@
-"""MiniMax-M2 / M2.1 / M2.5 (`minimax_m2`): grouped-query attention with QK RMSNorm over the whole
-projection and partial rotary, and a sigmoid-routed MoE without shared experts.
-
-Attention: Q and K are RMS-normalized over all heads at once (`q_norm` [H * D], `k_norm`
-[Hkv * D], `qk_norm_type: per_layer`), not per head as in Qwen3, then rope turns the first
-`rotary_dim` dims of each head (half-split layout; transformers 5 writes `partial_rotary_factor`).
-
-Feed-forward: every layer is MoE. The router takes sigmoid scores, chooses the top k by score plus
-`e_score_correction_bias`, and weights the chosen experts by their unbiased scores renormalized to
-sum to 1 (no groups, no scaling). Checkpoints keep one linear per expert (`block_sparse_moe.
-experts.{e}.w1/w3/w2`, Mixtral's names); the published ones are DeepSeek-style block FP8, read by the
-generic published-layout loader. The `num_mtp_modules` multi-token-prediction layers after the last
-decoder layer are skipped by name.
-
-GGUF (`minimax-m2`, llama.cpp's converter): experts merged into `ffn_*_exps`, the correction bias as
-`exp_probs_b.bias`, rope over `rope.dimension_count` dims; llama.cpp renormalizes the top-k weights
-without a metadata key saying so, and routes by sigmoid only when `expert_gating_func` is written
-(the converter writes it from the config's `scoring_func`).
+"""MiniMax-M2 / M2.1 / M2.5 (`minimax_m2`): attention with QK RMSNorm over the whole projection and
+partial rotary, and a sigmoid-routed MoE without shared experts (docs/models.md, "MiniMax-M2").
 """
 
 from __future__ import annotations

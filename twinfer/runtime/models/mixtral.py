@@ -1,9 +1,5 @@
-"""Mixtral: Mistral attention with 8 SiLU experts, top-2.
-
-Mixtral takes softmax over the top-k router logits, which equals softmax over all experts followed by
-renormalizing the kept k, so its spec sets `norm_topk_prob=True` and shares `Ops.moe` with Qwen3-MoE.
-llama.cpp stores Mixtral as GGUF architecture "llama" (see llama.py).
-"""
+"""Mixtral: Mistral attention with 8 SiLU experts, top-2. Softmax over the top-k logits equals
+renormalized softmax over all, so the spec sets `norm_topk_prob=True` and shares `Ops.moe`."""
 
 from __future__ import annotations
 

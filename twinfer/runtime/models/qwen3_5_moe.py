@@ -1,11 +1,6 @@
-"""Qwen3.5 MoE (the text model): Qwen3-Next's hybrid layers with the linear projections stored apart.
-
-The forward pass is qwen3_next's. The differences are in the checkpoint: in_proj_qkv, in_proj_z,
-in_proj_b and in_proj_a are separate tensors already in the canonical order (no per-key-head
-grouping), the router always renormalizes its top k, and the published checkpoints are multimodal
-(`Qwen3_5MoeForConditionalGeneration`): the text model's keys sit in `text_config`, its tensors under
-`model.language_model.`, and the vision tower and the multi-token-prediction head are not read.
-Text positions are the same on all three mrope axes, which makes its interleaved mrope plain rope.
+"""Qwen3.5 MoE (the text model): Qwen3-Next's hybrid layers, with the linear projections stored apart,
+always-renormalized routing and a multimodal checkpoint whose text model alone is read
+(docs/models.md, "Qwen3.5 MoE").
 """
 
 from __future__ import annotations

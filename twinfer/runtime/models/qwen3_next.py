@@ -1,16 +1,6 @@
 """Qwen3-Next: a hybrid of Gated DeltaNet (linear attention) and gated full attention, with MoE.
-
-Layers follow `layer_types` (by default three LINEAR layers, then one FULL: `full_attention_interval`).
-- Linear layers: one projection gives q, k, v side by side (the conv's channels), another z; a short
-  causal depthwise conv (its state per sequence) then SiLU; the gated delta rule (`Ops.gated_delta`,
-  state per sequence, decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)); a gated
-  RMSNorm (norm(o) * w * silu(z)); the output projection.
-- Full layers: Qwen3's attention (QK-norm, partial rope) whose output is multiplied by sigmoid(gate),
-  the gate coming from the second half of each head's q_proj rows.
-- Feed-forward: softmax top-k experts plus one shared expert scaled by sigmoid(shared_expert_gate(x)).
-RMSNorms compute x * (1 + w); the tables fold the 1 in (not into the gated norm, which is plain w).
-The checkpoint's q_proj (q and gate per head), in_proj_qkvz / in_proj_ba (grouped per key head) and
-A_log are split and turned into the canonical layout at load time.
+Layers follow `layer_types`; the checkpoint's grouped projections are split at load
+(docs/models.md, "Qwen3-Next").
 """
 
 from __future__ import annotations

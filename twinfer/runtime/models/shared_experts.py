@@ -1,10 +1,5 @@
-"""The DeepSeek-style MoE feed-forward shared by deepseek_v3 and glm4_moe.
-
-Routed experts chosen by a sigmoid router with a score-correction bias, group-limited top-k and a
-scaling factor (all in `MoESpec`, run by `Ops.moe`), plus shared experts that every token passes
-through: one dense MLP of `shared_intermediate_size` (`shared.gate/up/down`). The first
-`first_dense_layers` layers have a plain dense MLP instead.
-"""
+"""The DeepSeek-style MoE feed-forward shared by deepseek_v3 and glm4_moe: routed experts (`MoESpec`,
+`Ops.moe`) plus shared experts every token passes through; the first `first_dense_layers` are dense."""
 
 from __future__ import annotations
 
