@@ -1,13 +1,8 @@
 """Efficiency factors: how much of the hardware's peak each engine reaches, per device class.
 
-Peaks come from the hardware table; these factors turn them into predictions. Each was fitted to
-public measurements recorded in docs/planner-accuracy.md (the doc shows the fit and the residuals),
-and each can be replaced by a measurement: `Calibration.load(path)` reads a JSON object
-`{"llamacpp/cpu": {"bandwidth": 0.8, ...}, ...}` that overrides any field of any entry.
-
-The per-layer cost is expressed in GPU clock cycles because the small kernels of a decode step
-(norms, rope, router, launches) are latency-bound: the same kernel sequence takes about the same
-number of cycles on an A100 and an H100, so its time scales with 1/clock, not with bandwidth.
+Each factor is fitted to measurements in docs/planner-accuracy.md ("The cost model and its calibration")
+and can be overridden: `Calibration.load(path)` reads `{"llamacpp/cpu": {"bandwidth": 0.8, ...}, ...}`.
+Per-layer costs are GPU clock cycles: a decode step's small kernels are latency-bound.
 """
 
 from __future__ import annotations
@@ -43,54 +38,22 @@ class Efficiency:
     huge_pages: float = 1.0  # CPU only: weights on huge pages stream this much faster, from DRAM or through the kernels
 
 
-# (engine, device class) -> factors. Device classes: "hbm" and "gddr" GPUs (LPDDR GPUs count as
-# gddr), "apple", "cpu". Fitted values; docs/planner-accuracy.md lists the data behind each.
+# (engine, device class) -> factors; classes "hbm", "gddr" (LPDDR GPUs too), "apple", "cpu".
 DEFAULTS: dict[str, Efficiency] = {
-    # llama.cpp CUDA: bandwidth and layer_cycles fitted per class by `python -m twinfer.planners.scoreboard`
-    # on the training rows of llama.cpp's CUDA scoreboard (Llama-2-7B Q4_0, docs/data/llamacpp-cuda-scoreboard.json)
-    # and the published gpt-oss / DGX Spark rows: consumer cards sit at ~60k cycles/layer, HBM parts at ~130k
-    # (their batch-1 kernels wait on HBM latency); held-out scoreboard rows: median |error| 7.3%
-    # (docs/planner-accuracy.md, "Current results").
+    # llama.cpp CUDA: fitted per class on llama.cpp's CUDA scoreboard (`python -m twinfer.planners.scoreboard`)
     "llamacpp/gddr": Efficiency(bandwidth=0.85, tensor=0.3, layer_cycles=60e3, moe_layer_factor=1.4),
     "llamacpp/hbm": Efficiency(bandwidth=0.92, tensor=0.1, layer_cycles=130e3, moe_layer_factor=1.7),
-    # llama.cpp Metal, Apple scoreboard (discussion #4167): M4 Pro vs M4 Max separates the
-    # bandwidth term from the fixed per-layer term.
+    # llama.cpp Metal: fitted on the Apple scoreboard (M4 Pro vs M4 Max separates the two terms)
     "llamacpp/apple": Efficiency(bandwidth=0.90, tensor=0.65, layer_cycles=211e3, moe_layer_factor=1.0),
     "mlx/apple": Efficiency(bandwidth=0.90, tensor=0.65, layer_cycles=211e3, moe_layer_factor=1.0),
-    # CPU: bandwidth relative to the *measured* read bandwidth (twinfer hw --measure); cycles are CPU
-    # cycles per layer for thread synchronisation. Calibrate with `twinfer bench` on the machine.
-    # bandwidth and tensor fitted by `python bench/bench_planner.py --fit bandwidth,tensor` on the
-    # 2-core EPYC of docs/planner-accuracy.md ("This machine"), the rest set by hand.
-    # tensor and overlap_loss refitted when the CPU's matmuls moved to its int8 dot-product peak and
-    # llama.cpp's weight repacking became the default (docs/planner-accuracy.md, "Against this machine").
-    # attention: prefill time per token at 512-4,096 against 64 tokens, one thread, CPU time of llama_decode
-    # (docs/planner-accuracy.md, "Prefill attention"). torch keeps its old rate (its tensor factor), unmeasured.
-    # tensor 0.72 -> 0.6: time to first token on two hosts (AVX-512 VNNI and AVX2), out of sample for
-    # 0.72, was 5-28% under what `twinfer bench` measured (docs/planner-accuracy.md, "Two hosts").
-    # bandwidth 0.7 -> 0.79: single-stream decode was predicted low in all 14 plan-vs-bench comparisons on
-    # three hosts (7 runs, 64 and 4,096 tokens), median -11% (docs/planner-accuracy.md, "Decode, refitted").
-    # bandwidth 0.79 -> 0.88 when decode attention moved to its own one-row f32 term (cost.decode_step): over
-    # the 20 plan-vs-bench comparisons of ten runs on three hosts the median error is -1%, 3 outside +-20%
-    # (docs/planner-accuracy.md, "Decode attention").
-    # bandwidth 0.88 -> 0.82, tensor 0.6 -> 0.5 when unpacking GGUF blocks moved to the int8 rate
-    # (cost._unpack_rate): refitted on the 32 comparisons of twelve runs; a second model, a random 0.85B
-    # Llama in Q4_K_M, went from "dequantization-bound", decode -65%, to -14%..-39% at 64 tokens and
-    # TTFT +4..+9% (docs/planner-accuracy.md, "A second model").
-    # stream_plain / stream_repacked: the bytes a core's kernels stream per cycle in decode (cost._kernel_stream_s),
-    # fitted on the 2-core AVX-512 EPYC, where DRAM read 20-43 GB/s and decode followed the kernels: Gemma 3
-    # 270M's Q8_0/Q5_0 weights at about 3 bytes a cycle a core; the 1B Q4_K model's repacked weights at about
-    # 8 or faster once its Q6_K runs at 3, so that bound does not bind there (docs/planner-accuracy.md, "Kernels, not DRAM")
-    # huge_pages: the runner's weights on 2 MiB pages decoded Gemma 3 270M 14% faster in an in-process A/B
-    # (medians 76.3 -> 87.0 tok/s), and the plan without it was 0-23% low in three runs' six comparisons;
-    # 1.15 left them within -13..+11% (1.2: -10..+14%) (docs/planner-accuracy.md, "Huge pages")
+    # CPU: bandwidth is relative to the *measured* read bandwidth, cycles are CPU cycles per layer; each
+    # factor's fit and history: docs/planner-accuracy.md, "The cost model and its calibration"
     "llamacpp/cpu": Efficiency(bandwidth=0.82, tensor=0.5, vector=0.35, attention=0.49, overlap_loss=0.25,
                                layer_cycles=30e3, moe_layer_factor=1.5, step_s=0.4e-3, stream_plain=3.0,
                                stream_repacked=8.0, huge_pages=1.15),
     "torch/cpu": Efficiency(bandwidth=0.364, tensor=0.262, vector=0.2, attention=0.262, overlap_loss=0.5,
                             layer_cycles=400e3, moe_layer_factor=2.0, step_s=2e-3),
-    # vLLM/SGLang-class serving (CUDA graphs, fused MoE): Llama-3.1-8B BF16 on A100 and H100 fit
-    # bandwidth 0.86 and ~56k cycles/layer. twinfer's CUDA backend is planned against the same
-    # factors until `twinfer bench` measures it.
+    # vLLM/SGLang-class serving, fitted on Llama-3.1-8B BF16 (A100, H100); twinfer's CUDA backend uses it too
     "vllm/hbm": Efficiency(bandwidth=0.86, tensor=0.6, layer_cycles=56e3, moe_layer_factor=1.5),
     "vllm/gddr": Efficiency(bandwidth=0.86, tensor=0.5, layer_cycles=56e3, moe_layer_factor=1.5),
     "torch/hbm": Efficiency(bandwidth=0.86, tensor=0.6, layer_cycles=56e3, moe_layer_factor=1.5),

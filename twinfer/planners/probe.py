@@ -1,10 +1,7 @@
 """The hardware probe: the one part of the planner that asks the machine anything.
 
-NVIDIA GPUs through nvidia-ml-py (name, memory, count, NVLink links and generation, PCIe link), Apple
-silicon through sysctl/ioreg (chip, memory, GPU cores), Linux CPUs through /proc (cores, memory, ISA).
-A device found in the published table keeps the table's peaks; an unknown one gets numbers derived
-from what the driver reports. `measure_*` time real copies; results are cached so that `twinfer plan`
-on a CPU can use the measured bandwidth without measuring again.
+NVIDIA GPUs through nvidia-ml-py, Apple silicon through sysctl/ioreg, Linux CPUs through /proc. A device
+in the published table keeps the table's peaks; `measure_*` time real copies, cached per machine.
 """
 
 from __future__ import annotations
@@ -151,7 +148,7 @@ def _apple_row(host: HostFacts) -> Cluster | None:
 @dataclass(frozen=True)
 class HostFacts:
     """Everything the CPU probe reads of a machine. `read_host()` reads this one; tests build their own
-    (a 2-core AVX2 laptop, a 16-core AVX-512 server, an Apple M-series) so no verdict depends on the host."""
+    so that no verdict depends on the machine running them."""
 
     system: str  # platform.system(): "Linux", "Darwin", "Windows"
     machine: str  # platform.machine(): "x86_64", "arm64", "aarch64"
@@ -206,11 +203,8 @@ def _memory_bytes() -> float:
 
 
 def pinned_host() -> HostFacts | None:
-    """The machine named by $TWINFER_HOST_FACTS (a HostFacts JSON file) instead of this one, if set.
-
-    The test suite pins one this way, so that every plan it makes, in-process or in a child process,
-    sees the same hardware on every machine; it also lets `twinfer plan` answer for another computer.
-    """
+    """The machine named by $TWINFER_HOST_FACTS (a HostFacts JSON file) instead of this one, if set:
+    tests pin one so every plan sees the same hardware; `twinfer plan` can answer for another computer."""
     path = os.environ.get(HOST_ENV)
     return HostFacts.from_json(path) if path else None
 
@@ -241,9 +235,8 @@ def read_host() -> HostFacts:
 
 
 def llamacpp_repacks(host: HostFacts) -> tuple[str, ...]:
-    """Weight formats llama.cpp repacks into interleaved tiles on this CPU (ggml-cpu/repack.cpp,
-    `ggml_repack_get_optimal_repack_type`): on x86 with AVX2 Q4_0, Q4_K, IQ4_NL and MXFP4 (and Q2_K with
-    AVX-512), on ARM with dotprod or i8mm also Q5_K, Q6_K and Q8_0. The rest run the plain dot products."""
+    """Weight formats llama.cpp repacks into interleaved tiles on this CPU (as ggml-cpu/repack.cpp's
+    `ggml_repack_get_optimal_repack_type` decides); the rest run the plain dot products."""
     f = host.flags
     if "avx2" in f:
         return ("q4_0", "q4_k", "iq4_nl", "mxfp4") + (("q2_k",) if "avx512f" in f else ())
@@ -256,13 +249,9 @@ def llamacpp_repacks(host: HostFacts) -> tuple[str, ...]:
 def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
     """(ISA label, f32 FLOPs per cycle per core, int8 dot-product ops per cycle per core).
 
-    The int8 rate is what llama.cpp's quantized matmuls run on: activations are quantized to 8 bits and
-    multiplied against the unpacked weights with AVX2 `vpmaddubsw`, AVX-VNNI / AVX-512 VNNI `vpdpbusd`,
-    ARM `sdot` (dotprod) or `smmla` (i8mm). ggml's K-quant dot products are 256 bits wide even where
-    AVX-512 is there (`vpdpbusd ymm` through AVX-512 VL), so AVX-512 VNNI counts as 256-bit VNNI on Intel
-    as on AMD (whose Zen 4 runs 512-bit instructions on 256-bit units anyway): measured on a 2-core
-    Sapphire Rapids VM, prefill ran at half the 512-bit rate. AMX tiles are not counted: twinfer keeps
-    llama.cpp's AMX kernels out where they crash (backends/llamacpp/amx.py).
+    The int8 rate is what llama.cpp's quantized matmuls run on. ggml's K-quant dot products are 256 bits
+    wide even with AVX-512, so AVX-512 VNNI counts as 256-bit VNNI; AMX tiles are not counted
+    (docs/planner-accuracy.md, "A third host").
     """
     f, intel = host.flags, "Intel" in host.vendor
     arm = host.machine in ("aarch64", "arm64") or "asimd" in f
@@ -281,16 +270,10 @@ def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
 
 
 def effective_ghz(host: HostFacts, fma: float) -> float:
-    """The clock the cost model prices a core's arithmetic at: the one the probe read (2.5 GHz when it read
-    none), or the faster one a measured f32 GEMM implies (its rate over the cores' f32 FLOPs a cycle).
-
-    A VM's reported clock need not be the one its cores run at: a 2-core AVX-512 EPYC that reports 2.6 GHz
-    multiplies at 195-206 GFLOP/s, above the 166 that clock allows, and its prompts ran faster than priced
-    at 2.6 (docs/planner-accuracy.md, "The measured clock"). A GEMM below the reported clock's peak is not
-    taken for a slower core: numpy's BLAS runs under peak, and a busy moment slows it (one measurement on
-    that EPYC read 107 GFLOP/s while the prompts it was to price ran at their usual speed). x86 only: on
-    Apple silicon numpy's BLAS (Accelerate) multiplies on the matrix coprocessor, not on the cores' NEON
-    units that llama.cpp uses, so its rate says nothing of their clock.
+    """The clock the cost model prices a core's arithmetic at: the one the probe read (2.5 GHz when none),
+    or the faster one a measured f32 GEMM implies. A VM's reported clock need not be its cores' clock; a
+    GEMM below the reported peak is not taken for a slower core (BLAS runs under peak). x86 only: Apple's
+    BLAS runs on the matrix coprocessor (docs/planner-accuracy.md, "The measured clock").
     """
     reported = host.ghz or 2.5
     if host.measured_gflops and host.machine in ("x86_64", "AMD64", "amd64"):
@@ -301,10 +284,8 @@ def effective_ghz(host: HostFacts, fma: float) -> float:
 def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
     """A machine's CPU as the planner sees it: physical cores, memory, f32 and int8 peaks, read bandwidth.
 
-    Without `host`, this machine; its bandwidth is measured once (about a second) and cached when
-    `measure`, since a per-core guess is off by 2x either way, and so is its f32 GEMM rate (under a second),
-    which may raise the clock (`effective_ghz`); a pinned machine ($TWINFER_HOST_FACTS) keeps the rate
-    its file gives. A `host` with no measurement gets the guess (8 GB/s per core), said so in the notes.
+    Without `host`, this machine: with `measure`, its bandwidth and f32 GEMM rate are measured once and
+    cached; a pinned machine keeps its file's rate; otherwise a per-core guess, said so in the notes.
     """
     if host is None:
         host = read_host()
@@ -352,18 +333,9 @@ def _last_level_cache_bytes() -> int:
 
 def measure_cpu_bandwidth(total_mb: int | None = None, seconds: float = 1.0) -> float:
     """Read bandwidth in GB/s: every usable core sums its own array, pass after pass for `seconds` (at
-    least three passes); the median pass, cached for this CPU.
-
-    The median of about a second of passes, not the best of three (about 70 ms on a 2-core VM): on a
-    VM whose speed moves from moment to moment, three passes can all land in a slow moment (one such
-    measurement read 7.45 GB/s at the start of a benchmark run where measurements minutes later read
-    8.2-10.9, and the plan predicted decode 36% low); the median of ~40 passes moved by 3% over eight
-    measurements where the best of three moved by 10%, at the same level (docs/planner-accuracy.md).
-
-    The arrays together hold four times the last-level cache (at least 64 MB), enough to read from DRAM
-    and small enough not to add to a `--memory-budget` run's peak beyond what the model itself takes: past
-    256 MB only twice the cache (at most 512 MB), since a cyclic read of twice the cache already misses it
-    (a VM that sees its host's 105 MB L3 read 420 MB before, and its first budgeted run peaked there).
+    least three passes); the median pass, cached for this CPU. The median is stable on a VM whose speed
+    moves; the arrays hold 4x the last-level cache (2x past 256 MB, at most 512 MB) so a
+    `--memory-budget` run's peak is not raised (docs/planner-accuracy.md, "The out-of-sample check failed").
     """
     import numpy as np
 
@@ -387,19 +359,13 @@ def measure_cpu_bandwidth(total_mb: int | None = None, seconds: float = 1.0) -> 
 
 
 def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
-    """f32 matrix-multiply rate in GFLOP/s on every usable core (numpy's BLAS, n x n by n x n): the median of
-    about `seconds` of products (at least three), cached for this CPU beside its bandwidth.
-
-    The cost model prices arithmetic at the clock this implies (`effective_ghz`): cores may run off the clock
-    /proc reports (a 2-core AVX-512 EPYC VM that reports 2.6 GHz multiplied at 170-206 GFLOP/s, above the
-    166 its f32 peak at that clock allows).
-    """
+    """f32 matrix-multiply rate in GFLOP/s on every usable core (numpy's BLAS, n x n by n x n): the median
+    of about `seconds` of products (at least three), cached beside the bandwidth; read by `effective_ghz`."""
     import numpy as np
 
     a = np.random.default_rng(0).random((n, n), dtype=np.float32)
     b = a.T.copy()
-    # every product into one array: with a fresh 16 MB result per product one measurement took the process
-    # from 30 to 58 MB of RSS, with one array to 42 MB (the 2-core EPYC)
+    # every product into one array: a fresh result per product grows the process's RSS
     c = np.empty_like(a)
     for _ in range(2):  # the BLAS threads start and the pages are touched (one product was not enough)
         np.matmul(a, b, out=c)
@@ -415,11 +381,8 @@ def measure_cpu_gemm(n: int = 2048, seconds: float = 0.5) -> float:
 
 
 def measure_cpu_gemm_apart() -> float:
-    """`measure_cpu_gemm` in a child interpreter (it caches the rate there), in-process if that fails. The
-    planner measures before a `--memory-budget` run opens its model, and in-process the measurement raised
-    that run's first peak by about 30 MB (`generate --memory-budget 400MB`: 497 MB, 468 MB with the rate
-    already cached, 470 MB measured in a child): the product leaves memory behind in the process (12 MB of
-    RSS even with one result array; OpenBLAS's per-thread buffers, probably), which a child takes with it."""
+    """`measure_cpu_gemm` in a child interpreter (it caches the rate there), in-process if that fails: BLAS
+    leaves memory behind that would raise a `--memory-budget` run's peak (docs/quantization.md)."""
     code = "from twinfer.planners.probe import measure_cpu_gemm; print(measure_cpu_gemm())"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -1,12 +1,8 @@
 """LlamaCppRunner: a whole-model Runner over llama.cpp's low-level C API (llama-cpp-python's ctypes).
 
-llama.cpp runs the forward pass; the twinfer engine keeps scheduling, sampling and prefix reuse. The
-KV cache is llama.cpp's unified one: `n_ctx` cells shared by up to `max_seqs` sequences, addressed by
-llama seq ids in [0, max_seqs) that this runner maps from the engine's sequence ids. With
-`unified_kv=False` every sequence gets its own stream of `n_ctx` cells instead (batch-invariant
-serving: a sequence's cells then lie exactly where they would if it ran alone; `serve --kv-layout
-streams`: each sequence may hold `n_ctx` tokens whatever the others hold). Streams share a prefix by
-copying the source's stream.
+llama.cpp runs the forward pass; the engine keeps scheduling, sampling and prefix reuse. KV is one
+unified cache of `n_ctx` cells, or one stream per sequence with `unified_kv=False` (docs/architecture.md,
+"The runner contract").
 """
 
 from __future__ import annotations
@@ -69,8 +65,7 @@ class KVCacheFull(DecodeError):
 
 def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | None,
                 placement: Placement | None = None) -> tuple[Any, int, AppliedPlacement]:
-    """The model, the bytes of its weights on huge pages (hugepages.py; None: decide from the host and
-    the file's size), and the plan's placement as its parameters got it (offload.py)."""
+    """The model, its weight bytes on huge pages (None: decided from the host), and its placement."""
     if not path.exists():
         raise ModelError(f"model file not found: {path}")
     if not path.is_file():
@@ -136,43 +131,13 @@ class LlamaCppRunner(Runner):
 
     Sequence ids are the engine's; a llama seq slot is taken on a sequence's first chunk (or as a
     `copy_prefix` destination) and given back by `release`. A chunk must start at or before the
-    sequence's stored length: earlier starts drop the positions from `start` on (rollback).
-
-    Numerics: llama.cpp's CPU kernels are not batch-invariant (ggml-org/llama.cpp#4479, #3014): a
-    token's logits can change with how many rows share its llama_decode call. Measured on Gemma 3
-    270M Q4_K_M, AVX2, with the defaults (flash attention on, weight repacking off): one-token
-    chunks are bit-identical to decoding alone while a call holds at most 7 rows, wherever their KV
-    cells lie; with 8+ rows, or next to a multi-token chunk, they may move by up to ~1 logit
-    (KL ~1e-2), as does a prefill whose chunking changes. Flash attention off makes holes between a
-    sequence's KV cells matter; `repack=True` (llama.cpp's default) makes a row's position mod 4 matter.
-    A lone query row is different again once its sequence uses more than 256 cells: llama.cpp pads
-    the KV view to a multiple of 256 cells (`llama_kv_cache::get_n_kv`), and ggml's CPU flash
-    attention splits one row's KV over threads from 512 cells in view (`use_split_kv_path` in
-    ggml-cpu/ops.cpp), summing in another order than any multi-row step.
-
-    Hence `exact_shapes()`: prompt chunks alone at fixed boundaries, at most 7 one-token rows, and
-    in an exact step (`StepBatch.exact`) a lone row padded with a token of the runner's own reserved
-    sequence. Drafts are verified only while one request runs: rolling back a rejected draft frees
-    cells that another sequence's next token may take, leaving cells out of position order, and
-    llama.cpp's attention sums a sequence's cells in cell order. `kv_sync` (slots.py) keeps these
-    per-sequence slots in step with the engine's blocks.
-
-    `kv_type` is the cache's element type for K and V (a plan's `kv_format`); quantized types need
-    flash attention. Sliding-window layers keep their full history (`swa_full`), so every layer
-    holds `n_ctx` cells.
-
-    A step goes to llama.cpp in calls of at most `n_batch` tokens, each computed in ubatches of
-    `n_ubatch` (llama-server's 2,048 and 512, so a step of `step_tokens` is one call). A unified cache
-    cuts a call into consecutive runs of `n_ubatch` tokens, the same rows as calls of `n_ubatch`
-    tokens would hold. Streams cut it evenly across sequences (`split_equal`): sixteen 101-token
-    prompts in one call make four ubatches of 32 tokens from every sequence, where 512-token calls
-    cut prompts apart into more, smaller ubatches.
+    sequence's stored length: earlier starts drop the positions from `start` on (rollback). llama.cpp's
+    CPU kernels are not batch-invariant, hence `exact_shapes()`; why these shapes, the KV layouts and the
+    step's split into calls are in docs/architecture.md, "The runner contract".
     """
 
     backend = "llamacpp"
-    # llama-server's step (its n_batch): a wave of prompts prefills in one step, so its requests decode
-    # in lockstep and finish together instead of leaving holes in the unified KV cells that the next
-    # wave's prompts land in, where flash attention scans the whole cache (docs/benchmarks.md)
+    # llama-server's n_batch: a wave of prompts prefills in one step, so its requests finish together
     step_tokens = 2048
 
     def __init__(self, path: str | os.PathLike[str], options: LlamaCppOptions | None = None, *,
@@ -192,7 +157,7 @@ class LlamaCppRunner(Runner):
         self.amx = guard_amx()
         repack = o.repack and self.amx != "repack-off"  # crashing AMX kernels we could not keep out otherwise
         self.flash_attn, self.repack, self.kv_type = o.flash_attn, repack, o.kv_type
-        # mapped weights with experts paged under a bound (paging.py): which mappings of the file are llama.cpp's
+        # mapped weights with experts paged under a bound (paging.py): which mappings are llama.cpp's
         maps_before = paging.read_maps() if o.paged_experts_bytes is not None else ""
         with quiet_amx_notice(self.amx == "denied" and not o.verbose):
             self._model, self.huge_page_bytes, self.placed = _load_model(lib, self.path, repack, o.huge_pages,
@@ -219,11 +184,8 @@ class LlamaCppRunner(Runner):
             self._free_model()
             raise
         self._closed = False
-        # the KV cache onto huge pages too: llama.cpp clears it, so it is all in memory (its compute buffers,
-        # still untouched, are not folded). Folding copies it, so only a cache no bigger than the weights is
-        # folded: serve's 16 streams of 4,096 tokens, 1.2 GB here, took 0.3-1.1 s, for requests that read
-        # little of it a step. The limit counts what is in memory: the context's address ranges also hold
-        # hundreds of MB of compute buffers never touched
+        # fold the KV cache onto huge pages when no bigger than the weights: folding copies it
+        # (docs/architecture.md, "The runner contract"; docs/benchmarks.md, "Weights on huge pages")
         context = hugepages.mapped_since(before) if before is not None else []
         self.huge_page_context_bytes = hugepages.fold(context, limit=self.huge_page_bytes)
         self.n_ctx = int(lib.llama_n_ctx(self._ctx))
@@ -231,8 +193,7 @@ class LlamaCppRunner(Runner):
         self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
         # llama.cpp rounds the cache up (to a multiple of 256 cells): report the real capacity
         seq_tokens = None if unified_kv else self.n_ctx // max_seqs
-        # recurrent and hybrid models (Mamba, Qwen3-Next) keep a state per sequence that llama.cpp cannot cut
-        # back to a position (seq_rm of a part fails): no prefix copies, no drafts (KVLayout.recurrent)
+        # recurrent/hybrid state cannot be cut back to a position: no prefix copies, no drafts
         recurrent = bool(lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model))
         self.kv = KVLayout(
             block_size=BLOCK_SIZE, num_blocks=self.n_ctx // BLOCK_SIZE, paged=False, max_seqs=max_seqs,
@@ -252,9 +213,7 @@ class LlamaCppRunner(Runner):
         return self._step(batch, borrow=False)
 
     def step_borrowed(self, batch: StepBatch) -> np.ndarray:
-        """`step`; a step that is one llama_decode call returns a view of llama.cpp's logits buffer,
-        which the next decode overwrites (16 rows of Gemma 3's 262,144-token vocabulary: a 16 MB copy,
-        about 2 ms of a 150-200 ms step on two cores, saved)."""
+        """`step`; a one-call step returns a view of llama.cpp's logits buffer, valid until the next decode."""
         return self._step(batch, borrow=True)
 
     def _step(self, batch: StepBatch, borrow: bool) -> np.ndarray:
@@ -283,9 +242,8 @@ class LlamaCppRunner(Runner):
         order = sorted(range(len(chunks)), key=slots.__getitem__)
         if order == list(range(len(chunks))):
             return self._decode_in_order(batch, chunks, slots, borrow)
-        # Per-sequence streams: llama.cpp splits a batch into ubatches of consecutive, increasing seq
-        # ids (`split_equal(sequential)`), so chunks out of slot order would each cost a pass over the
-        # weights (16 reversed rows: 2.4x the step time). Decode in slot order, hand rows back in batch order.
+        # Streams: llama.cpp cuts ubatches of consecutive increasing seq ids, so out-of-order chunks each
+        # cost a pass over the weights. Decode in slot order, hand rows back in batch order.
         ordered = self._decode_in_order(batch, [chunks[i] for i in order], [slots[i] for i in order])
         rows = [c.logit_rows for c in chunks]
         at = np.cumsum([0, *rows])  # each chunk's first row in batch order
@@ -318,9 +276,8 @@ class LlamaCppRunner(Runner):
         return out if out is not None else np.empty((0, self.n_vocab), np.float32)
 
     def _logits_rows(self, n_out: int) -> np.ndarray:
-        """llama.cpp's logits buffer as [n_out, n_vocab] float32, not copied. The view is kept while the
-        buffer's address and the row count stay: numpy builds a ctypes array type for every new view,
-        and at one token a step that cost as much as the sampler."""
+        """llama.cpp's logits buffer as [n_out, n_vocab] float32, not copied; the view is cached per
+        (address, rows) because numpy builds a ctypes type per new view."""
         key = (self._logits_address(self._ctx), n_out)
         if key != self._logits_key:
             if not key[0]:
@@ -345,8 +302,7 @@ class LlamaCppRunner(Runner):
             self._mem.seq_rm(slot, length, -1)
 
     def copy_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:
-        """Make dst's KV exactly src's first `num_tokens` positions (a unified cache shares the cells;
-        per-sequence streams copy the source's stream)."""
+        """Make dst's KV exactly src's first `num_tokens` positions (shared cells, or a copied stream)."""
         self._check_open()
         if src_seq not in self._slots:
             raise ValueError(f"copy_prefix: source sequence {src_seq} has no KV in this runner")
@@ -366,8 +322,7 @@ class LlamaCppRunner(Runner):
         if self.unified_kv:
             self._mem.seq_cp(src, dst, 0, num_tokens)
             return
-        # Per-sequence streams: llama.cpp copies a whole stream's buffers (at the start of the next
-        # llama_decode, before anything is written), then the tail past the prefix is dropped.
+        # Streams: llama.cpp copies the whole stream at the next llama_decode; the tail is dropped after.
         self._mem.seq_cp(src, dst, -1, -1)
         self._mem.seq_rm(dst, num_tokens, -1)
 
@@ -383,8 +338,7 @@ class LlamaCppRunner(Runner):
         return bytes(buf)[:written]
 
     def load_seq_state(self, seq_id: int, data: bytes) -> int:
-        """Make the sequence hold the cells `save_seq_state` wrote (`llama_state_seq_set_data`);
-        returns the positions it now holds. Raises ValueError when llama.cpp refuses the data."""
+        """Load what `save_seq_state` wrote; returns the positions held. ValueError if llama.cpp refuses."""
         self._check_open()
         slot = self._slot_for(seq_id)
         self._mem.seq_rm(slot, -1, -1)
