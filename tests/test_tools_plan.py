@@ -60,7 +60,7 @@ def test_generic_form_rewrites_the_conversation(tok: Tokenizer) -> None:
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert '"name": "add"' in messages[0]["content"] and messages[0]["content"].endswith("be brief")
     assert messages[2]["content"] == 'I called add({"a": 2}).'  # prose: a small model copies a JSON call
-    assert messages[3]["content"].count("Use this result: answer in plain text, or call another function.") == 2
+    assert messages[3]["content"].count("Now answer in plain text, using this result.") == 2
     assert "The function add returned: 2" in messages[3]["content"]  # the result names its call
     hermes = type("T", (), {"chat_template": "<tool_call>{{ tools }}"})()
     plan = plan_tools([ADD], "auto", None, hermes, None)

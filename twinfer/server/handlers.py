@@ -58,7 +58,7 @@ async def generation(state: ServerState, request: Request, body: ChatCompletionR
     echo_only = prompts.scores_prompt_only(body)
     followers = [Follower(request_id, state.model_name, chat, tokenizer, state.metrics, arrival, i,
                           plan.parser(), echo, echo_ids, echo_only) for i in range(body.n)]
-    for f, c in zip(followers, choices):
+    for f, c in zip(followers, choices, strict=True):
         f.cancel = c.cancel
     want_logprobs = params.logprobs is not None
     if body.stream:

@@ -14,9 +14,9 @@ from typing import Any
 from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.engine.params import GuardConfig, SamplingParams
 from twinfer.runtime.errors import ModelError, RequestError
+from twinfer.runtime.tokenizer.harmony import render_harmony
 from twinfer.server.errors import APIError
 from twinfer.server.protocol import CompletionRequest
-from twinfer.runtime.tokenizer.harmony import render_harmony
 from twinfer.server.tools.plan import ToolPlan
 
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}

@@ -15,8 +15,8 @@ from typing import Any
 
 from twinfer.runtime.engine.bill import merge_costs, with_server_time
 from twinfer.runtime.engine.request import RequestOutput, TokenLogprob
-from twinfer.server.metrics import ServerMetrics
 from twinfer.runtime.tokenizer.detok import StreamDecoder
+from twinfer.server.metrics import ServerMetrics
 from twinfer.server.tools.events import Delta, OutputParser, PlainText, ToolCall
 
 FINGERPRINT = "twinfer"

@@ -161,5 +161,5 @@ def _plain_turn(m: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
         name = m.get("name") or names.get(m.get("tool_call_id") or "", "")
         who = f" {name}" if name else ""
         return {"role": "user", "content": f"The function{who} returned: {_text(m.get('content'))}\n"
-                                           "Use this result: answer in plain text, or call another function."}
+                                           "Now answer in plain text, using this result."}
     return {**m, "content": _text(m.get("content"))}
