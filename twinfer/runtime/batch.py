@@ -1,9 +1,6 @@
-"""What the engine hands a runner for one forward step, and what comes back.
-
-A step is a flat list of chunks, one per sequence: the new tokens of that sequence, the position of
-the first one, and the KV blocks that hold (or will hold) positions `[0, start + len(tokens))`.
-Prefill chunks and decode chunks mix freely in one step.
-"""
+"""What the engine hands a runner for one forward step, and what comes back: a flat list of chunks, one
+per sequence (new tokens, first position, KV blocks for `[0, start + len(tokens))`), prefill and decode
+mixed."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """The CPUs this process may use, how many compute threads that makes, and the memory pages it gets.
-
-llama.cpp's rule: one compute thread per *physical* core, read from the CPU topology rather than
-guessed. Hyperthreads share a core's vector units and bandwidth, so a second thread per core only
-adds barrier waits; but halving the CPU count (the old guess) halves the speed of a machine with one
-thread per core. On Apple silicon the performance cores count, as in llama.cpp.
-"""
+llama.cpp's rule: one thread per physical core (performance cores on Apple silicon), read from the
+topology: hyperthreads only add barrier waits."""
 
 from __future__ import annotations
 

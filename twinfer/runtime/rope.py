@@ -1,10 +1,7 @@
 """Rotary position embedding frequencies, computed once on the host for every backend.
 
-Backends build cos/sin tables from `inv_freq(spec, layer)`, scale them by
-`attention_factor(spec, layer)` (YaRN's temperature; 1 otherwise) and rotate the first
-`spec.rotary_dim` dims of each head in the NeoX half-split layout:
-x = [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin]. Checkpoints with interleaved rope (DeepSeek)
-have their projection rows permuted to this layout by the loader.
+Backends build cos/sin from `inv_freq(spec, layer)`, scale by `attention_factor` (YaRN) and rotate the
+first `spec.rotary_dim` dims in the NeoX half-split layout; loaders permute interleaved checkpoints.
 """
 
 from __future__ import annotations

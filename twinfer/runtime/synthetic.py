@@ -1,12 +1,5 @@
-"""Random-weight checkpoints written tensor by tensor, for tests and benchmarks of large models.
-
-`write_synthetic_moe` writes a Hugging Face folder (config.json, sharded safetensors, an index) of an
-synthetic shape (`SyntheticMoE`, declared by the qwen3_moe model file: one tensor per expert; the
-tests' gpt-oss shape with fused experts), of any size with bounded memory:
-each tensor is drawn from its own seeded generator, written, and dropped, so a 2 GB model costs one
-tensor of RAM to make.
-`greedy_tokens` decodes a prompt greedily straight through a runner (no tokenizer needed).
-"""
+"""Random-weight checkpoints written tensor by tensor (bounded memory), for tests and benchmarks of
+large models; `greedy_tokens` decodes straight through a runner without a tokenizer."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""`Grammars`: constraints compiled for one model's tokenizer, cached by (kind, text).
+"""`Grammars`: constraints compiled for one model's tokenizer, cached by (kind, text). Thread-safe.
 
-Who calls it: the engine when a request with a constraint arrives (`matcher`), and `AsyncEngine`
-before that, on a worker thread with a time limit (`compile`), so the engine thread never waits
-for a large grammar. A compile that fails or runs past `time_limit_s` is cached as that failure,
-so a client resending it costs nothing. Thread-safe.
-
-The llguidance tokenizer is built once, on first use, from the model's `tokenizers` backend (about
-8 s for Gemma 3's 262k tokens on a laptop core; not counted against the time limit), sized to the
-model's logit rows: Gemma 3 pads its output matrix past the tokenizer's ids, and those rows are
-never allowed.
+`AsyncEngine` compiles on a worker thread under `time_limit_s`, so the engine thread never waits; a
+failure or time-out is cached as such. The llguidance tokenizer is built once, sized to the model's
+logit rows (padded rows are never allowed).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Allowed-token masks for a step's constrained rows, and the matcher bookkeeping around sampling.
 
-A `Guide` is one request's matcher plus the engine's counters. `row_masks` fills the bitmasks of
-every constrained row of a step in one parallel llguidance call. A `RowMask` stays packed: a greedy
-row tests the model's best tokens bit by bit and expands the mask over the vocabulary (262k entries
-for Gemma 3) only when none of them is allowed; sampled rows expand it. For a drafted decode,
-`draft_masks` gives the mask after each draft prefix, so the verifier sees the constrained
-distribution at every position (a draft token the grammar refuses is rejected, and the matcher is
-only advanced over the tokens the request emits).
+`row_masks` fills every constrained row's bitmask in one llguidance call; a `RowMask` stays packed and
+is expanded only when needed. `draft_masks` gives the mask after each draft prefix, so the verifier
+sees the constrained distribution and the matcher advances only over emitted tokens.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""What a request may generate: a `Constraint` is a grammar kind and its text, as the user sent it.
-
-Kinds: `json_schema` (a JSON Schema, as JSON text), `json_object` (any JSON object), `regex`,
-`choice` (a JSON list of strings), `lark` (llguidance's Lark dialect), `gbnf` (llama.cpp's grammar
-format) and `llguidance` (a grammar already in llguidance's JSON form, built by the tool-call code).
-A constraint is plain data: it is compiled for a tokenizer by `Grammars` (compile.py).
-"""
+"""What a request may generate: a `Constraint` is a grammar kind (`json_schema`, `json_object`, `regex`,
+`choice`, `lark`, `gbnf`, `llguidance`) and its text as the user sent it; `Grammars` compiles it."""
 
 from __future__ import annotations
 

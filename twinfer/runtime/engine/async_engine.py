@@ -1,12 +1,8 @@
 """`AsyncEngine`: an `Engine` on its own thread, streamed to asyncio callers (the server, the TUI).
 
-One background thread is the only one that touches the engine. Callers talk to it through a
-thread-safe inbox (add, abort, stop); each request's outputs come back on that request's asyncio
-queue through `loop.call_soon_threadsafe`. Health numbers are published by the engine thread as an
-immutable `EngineStats` snapshot after every step, so readers never look inside the engine.
-
-If the engine thread dies, every request still waiting gets `EngineDead` at once and new requests
-are refused: no client is left hanging (mlx-lm's server thread has that bug).
+Only the engine thread touches the engine; callers use a thread-safe inbox, outputs return on each
+request's asyncio queue, and health is an immutable `EngineStats` snapshot per step. If the thread
+dies, every waiting request gets `EngineDead` at once and new ones are refused.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The bill of one request: where its wall time went, which tokens it cost, and the bytes it moved.
 
-Times partition the request's life (arrival -> finish) into queue, KV transfer (waiting for a
-remote prefill's KV), prefill (first scheduled -> first token), decode and speculative verification
-(the steps of the decode phase that verified drafts), so they add up to its wall time. Bytes come
-from the runner's per-step accounting (`StepTraffic`): weights and experts read by a step are shared
-out over the step's tokens, KV read and written belong to the chunk that attended or appended them.
-A KV connector's hand-over is `kv_transferred` (the K/V bytes loaded, the prompt's KV size) plus
-`kv_transfer_overhead` (what else came over the wire: cell positions, headers, the payload's framing).
-Field names follow vLLM's per-request metrics where they mean the same thing (queued, prefill,
-decode; num_cached_tokens; kv_transfer_params).
+Times partition arrival -> finish (queue, KV transfer, prefill, decode, verification) and add up to
+the wall time; bytes come from the runner's `StepTraffic`, shared out over a step's tokens. Field names
+follow vLLM's per-request metrics (docs/internals.md, "The bill").
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The engine: requests -> scheduler -> step -> sampler -> guard -> stream.
-
-One `step()` is: schedule, bring the runner's KV storage in step (`KVSync`), draft (speculative
-decoding, when the engine has a proposer), build the batch, run it, record what was computed, sample
-or verify, and finish. What a runner needs from scheduling it declares (runtime/runner.py); the
-engine holds no runner-specific code.
-The engine is single-threaded; `AsyncEngine` (async_engine.py) runs it on a thread for the server
-and the TUI.
-"""
+"""The engine: requests -> scheduler -> step -> sampler -> guard -> stream. Single-threaded; one `step()`
+is the handful of calls in docs/architecture.md, "One engine step". `AsyncEngine` runs it on a thread."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """The token-loop guard: cut a generation that has collapsed into repeating itself.
 
-A loop is a tail of the output made of one unit (1..`max_period` tokens) repeated back to back, at
-least `min_copies` times. How long that tail must be before it is cut depends on the unit's text
-(docs/guard.md has the measurements behind the defaults):
-
-- *text* (it holds a word: a letter that is not a hex digit or an `x`, next to a space or
-  punctuation or in a script without spaces): `text_copies` copies or `text_chars` characters,
-  whichever comes first. Real prose and code never repeat a phrase that often verbatim.
-- *blank* (only whitespace): `blank_chars` characters. Indentation and blank lines stay far below it;
-  a model flooding newlines does not.
-- *filler* (digits, hex, base64, punctuation, box drawing, one character repeated): `filler_chars`
-  characters. Numbers, tables of zeros and rules are legitimately long, so only a flood is cut.
-
-Lengths are in characters where tokenizers disagree (one writes `1000000` as seven tokens, another
-as three), in copies where the count is the signal. The guard never cuts where a grammar bounds the
-next token (`bounded_by_grammar`): the constraint already limits what comes out there. The guard
-only reads tokens; the engine decides to stop or retry.
+A loop is a tail made of one unit (1..`max_period` tokens) repeated at least `min_copies` times; how
+long it must be before a cut depends on whether the unit is text, blank or filler (docs/guard.md).
+The guard never cuts where a grammar bounds the next token; it only reads, the engine stops or retries.
 """
 
 from __future__ import annotations

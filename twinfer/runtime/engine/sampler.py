@@ -1,11 +1,6 @@
 """Turning logits into tokens: logit bias, grammar masks, penalties, temperature, top-k, top-p, min-p,
-seeds and logprobs.
-
-Each request owns a seeded numpy Generator, so a request's samples do not depend on what else
-shares its batch. Greedy rows are one vectorized argmax; sampled rows draw one uniform each after
-the filters, on the candidate set only (top-k by argpartition keeps the 262k-vocabulary case cheap).
-Constrained rows (a grammar) get their allowed-token masks in one batched call before any row is
-sampled; logprobs are always those of the raw model distribution.
+seeds and logprobs. Each request owns a seeded Generator, so its samples do not depend on its batch;
+logprobs are always those of the raw model distribution.
 """
 
 from __future__ import annotations

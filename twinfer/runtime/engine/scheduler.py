@@ -1,12 +1,8 @@
 """Continuous batching: which requests compute how many tokens this step.
 
-Every step has a token budget. Running requests go first (a decode costs one token, an unfinished
-prefill continues in chunks), then waiting requests are admitted while the budget, the sequence
-limit and the free KV blocks allow, reusing cached prefix blocks. When a running request cannot get
-the block it needs, the least important running request is preempted: its blocks are freed and it
-goes back to the front of the queue to be recomputed later. With speculative decoding, a decode may
-also verify drafted tokens: it gets room for them from what is left of the budget and the free
-blocks, never by preempting anyone. Nothing here touches a device.
+Running requests go first (decode, then unfinished prefill in chunks), then waiting ones are admitted
+while the token budget, sequence limit and free blocks allow. A request that cannot get a block
+preempts the least important running one; drafts get only leftover room. Nothing touches a device.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """KV block accounting with keyed full-block prefix reuse (vLLM-style automatic prefix caching).
 
-A sequence's KV lives in fixed-size blocks. A block that is full gets a key: SHA-256 chained over
-its parent's key and its token ids, so two sequences with the same first N*block_size tokens share
-the same N blocks. A hit is also checked against the block's stored tokens and parent, so even a
-colliding key never hands one request another's KV. Blocks are reference-counted; a block nobody
-references stays cached (and reusable) until it is evicted least-recently-used to make room.
-
-The manager never touches a device. A runner that stores KV per sequence follows it through its
-`KVSync` (runtime/runner.py), which hears of every cached block evicted (`on_evict`) and drops
-the blocks whose KV it no longer holds (`uncache`).
+A full block's key is SHA-256 chained over its parent's key and its tokens; a hit is also checked
+against the stored tokens, so a colliding key never hands over another's KV. Unreferenced blocks stay
+cached until evicted LRU; per-sequence runners follow through `KVSync` (`on_evict`, `uncache`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """KV cache events in vLLM's wire format, so KV-aware routers (Dynamo, llm-d, SGLang's gateway) can follow a replica.
 
-The block manager tells a `KVEventSink` of every block it registers in the prefix cache (`stored`) and
-every registered block it stops holding (`removed`). `ZmqKVEventPublisher` gathers those on the engine
-thread and a thread of its own sends them as vLLM's `KVEventBatch`: a ZMQ PUB multipart message
-(topic, 8-byte big-endian sequence number, msgpack payload) with the payload
-
-    [ts, [event, ...], data_parallel_rank]
-    event = ["BlockStored", [hash, ...], parent_hash | None, [token id, ...], block_size, lora_id, medium, lora_name]
-          | ["BlockRemoved", [hash, ...], medium]
-          | ["AllBlocksCleared"]
-
-(msgspec's tag-first `array_like` encoding of vLLM's structs). Hashes are the last 8 bytes of twinfer's
-SHA-256 block keys as an unsigned integer, as vLLM sends its own with integer block hashes. An optional
-ROUTER socket answers replay requests (an 8-byte big-endian start sequence number) with the buffered
-batches, then sequence -1, as vLLM's publisher does.
+`ZmqKVEventPublisher` sends the block manager's `stored`/`removed` events as vLLM's `KVEventBatch` over
+ZMQ PUB, with replay over an optional ROUTER socket; the wire format is in docs/cluster.md.
 """
 
 from __future__ import annotations

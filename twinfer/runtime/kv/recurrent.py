@@ -1,12 +1,7 @@
 """Recurrent-state slots: which slot of a backend's state pool each sequence holds, and how far it ran.
 
-A model with linear-attention layers (spec.LINEAR) keeps, per sequence and layer, a conv state and a
-delta-rule state of fixed size. That state only moves forward: it cannot be cut back to an earlier
-position (a rejected draft) nor shared with another sequence (a cached prefix). So a runner of such
-a model declares `KVLayout.recurrent`, which turns prefix reuse and speculative decoding off, and
-`StateSlots` refuses, with the reason, any chunk that would need either: wrong output is never silent.
-
-Nothing here touches a device; the backend's Ops owns the pool and asks `bind` for each step's slots.
+Linear-attention state only moves forward, so `StateSlots` refuses, with the reason, any chunk that
+would cut it back or share it: wrong output is never silent. The backend's Ops owns the pool.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Bytes a runner's step moves: resident weights touched, routed experts, KV read and written.
-
-A runner declares a `StepTraffic` from what it holds (weight bytes, KV bytes per position and
-layer); the engine asks it for every step's `StepBytes` and shares them out over the step's
-requests (engine/bill.py). Pure arithmetic: nothing here touches a device.
-"""
+"""Bytes a runner's step moves: resident weights touched, routed experts, KV read and written; the
+engine shares a step's `StepBytes` over its requests (engine/bill.py). Pure arithmetic."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """Block tables of the sliding-window layers, in a pool of their own, bounded by the window.
 
-A sliding layer's query at position p reads keys p - window + 1 .. p only. So when a chunk starting
-at `start` runs, the blocks wholly before `start - window + 1` are dead for that sequence and go back
-to the pool; a sequence holds at most `per_sequence(window, block_size, chunk)` blocks while a chunk
-of `chunk` tokens runs, and ceil(window / block_size) + 1 between decode steps. Trimming at the start
-of a step, not the end, keeps what a rejected draft's rollback needs: a chunk never starts before the
-previous chunk of its sequence did.
-
-Dropped positions map to block 0, the null block, which is never handed out: the window mask never
-lets a query read it. Nothing here touches a device; the runner that owns the window caches calls it.
+Blocks wholly before `start - window + 1` return to the pool when a chunk starts (never at the end, so a
+rollback keeps what it needs); dropped positions map to the null block 0, which the window mask hides.
 """
 
 from __future__ import annotations

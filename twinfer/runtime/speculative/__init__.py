@@ -1,12 +1,6 @@
-"""Speculative decoding: proposers guess the next tokens, one target forward pass verifies them.
-
-proposer.py     what a proposer is asked (DraftQuery) and answers (Draft)
-ngram.py        prompt lookup over the request's own tokens
-draft_model.py  a draft model with its own KV (`draft:PATH`), or the target with layers skipped (`self:N`)
-accept.py       greedy and rejection-sampling verification (lossless)
-adaptive.py     per-request draft length from the acceptance rate and the measured cost
-speculator.py   the engine's side: room, drafts, verification, counters
-options.py      `--speculate {off,ngram,draft:PATH,self:N}`
+"""Speculative decoding: proposers (ngram, draft model, self-draft) guess the next tokens, one target
+pass verifies them losslessly (accept.py); adaptive.py picks the draft length, speculator.py is the
+engine's side, options.py parses `--speculate`.
 """
 
 from twinfer.runtime.speculative.draft_model import DraftModelProposer, SelfDraftProposer

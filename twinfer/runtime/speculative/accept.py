@@ -1,12 +1,8 @@
 """Verification: which drafted tokens the target keeps, and the one token it adds.
 
-Row i of the target's logits is its distribution after the request's last token and the first i
-draft tokens. Greedy rows keep draft token i while it is the target's own choice, so the output is
-exactly what decoding one token at a time gives. Sampled rows use speculative rejection sampling
-(Leviathan et al. 2023; Chen et al. 2023): keep draft token d with probability min(1, p(d) / q(d)),
-and on rejection draw from the residual max(p - q, 0); then every emitted token is distributed as
-the target's own sampler would draw it. For a point-mass draft (q(d) = 1) the residual is p
-without d. Penalties see the accepted tokens as they would in sequential decoding.
+Greedy rows keep a draft token while it is the target's own choice (exact). Sampled rows use
+speculative rejection sampling (Leviathan et al. 2023): every emitted token is distributed as the
+target's sampler would draw it (docs/internals.md, "Speculative decoding").
 """
 
 from __future__ import annotations

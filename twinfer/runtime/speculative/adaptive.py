@@ -1,15 +1,6 @@
-"""How many tokens to draft: per request from its acceptance rate, weighed against measured cost.
-
-With a per-token acceptance rate a, verifying k drafted tokens emits on average
-E(k) = 1 + a + ... + a^k tokens, and the step costs C(k) times a plain decode step. C is measured on
-the runner, per number of tokens in a step, because it is far from linear: on the llama.cpp CPU
-runner every verified row pays for the whole output matrix (262k x 640 on the default model), and
-ggml splits 2- and 5..7-row products less well than 3 or 4. Each request drafts the k in [0, max_k]
-that maximizes E(k) / C(k); k = 0 turns speculation off for it, and after `probe_every` steps it
-tries `probe_k` tokens again (then after twice as many...), so a request whose text turns
-repetitive gets speculation back.
-Plain steps are measured first (the controller drafts nothing until they are); sizes not measured
-yet are priced optimistically, so the controller tries them once.
+"""How many tokens to draft: per request, the k in [0, max_k] that maximizes E(k) / C(k), the expected
+tokens over the measured step cost; k = 0 turns speculation off until a later probe
+(docs/internals.md, "Speculative decoding").
 """
 
 from __future__ import annotations

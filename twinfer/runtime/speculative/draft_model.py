@@ -1,15 +1,8 @@
 """Draft-model proposers: a cheaper model drafts k tokens one at a time, batched across requests.
 
-`DraftModelProposer` runs a second Runner (a smaller model with the target's tokenizer) with its
-own KV cache. Per sequence it remembers which tokens its cache holds; each step it first feeds what
-it has not seen (the tokens the target accepted, or the whole prompt the first time) in one chunk,
-then k - 1 single-token steps. A rejected draft is rolled back by starting the next chunk earlier
-(paged runners overwrite, the llama.cpp runner drops the positions with seq_rm).
-
-`SelfDraftProposer` is self-speculation for Ops-based runners: the target's own weights run with
-some layers skipped, reading and writing the target's paged KV cache. Positions below the
-verification chunk hold the target's exact KV, so the draft only computes its k - 1 new positions,
-and the verification pass overwrites them in every layer.
+`DraftModelProposer` runs a second Runner with its own KV, rolled back by starting the next chunk
+earlier; `SelfDraftProposer` runs the target with layers skipped over the target's paged KV, which the
+verification pass overwrites.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""N-gram prompt lookup: guess that the text continues the way it did after its last occurrence.
-
-Like vLLM's `ngram` proposer and llama.cpp's lookup decoding: the request's last n tokens (n from
-`max_n` down to `min_n`) are looked up among earlier positions of its prompt and output, and the
-tokens that followed the most recent earlier occurrence are proposed. Matches shorter than 3 tokens
-are wrong too often to pay for their verification on the llama.cpp CPU runner (measured on the
-default model: 3-token matches beat 1- and 2-token ones on code and prose). When the match runs into the
-tail (a loop of period p), the proposal keeps repeating that period. The draft is a point mass.
-
-Each request keeps an index n-gram -> position after its latest occurrence, extended with the new
-tokens every step, so a lookup costs O(max_n) dictionary reads however long the context is.
+"""N-gram prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding): propose what followed the most
+recent earlier occurrence of the request's last n tokens (`max_n` down to `min_n`, at least 3). An
+incremental index keeps a lookup O(max_n); the draft is a point mass.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""What a proposer is asked for and what it answers.
-
-Each engine step, the Speculator asks its proposer for up to `k` next tokens of every decoding
-request that has room for a draft. One forward pass of the target model then scores the request's
-last token plus the draft (`LogitsWanted.ALL`), and `accept.verify` keeps the longest prefix the
-target agrees with.
-"""
+"""What a proposer is asked for (up to `k` next tokens of a decoding request) and what it answers;
+`accept.verify` keeps the longest prefix the target agrees with."""
 
 from __future__ import annotations
 

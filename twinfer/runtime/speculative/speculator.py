@@ -1,11 +1,7 @@
 """The engine's side of speculative decoding: room, drafts, verification and adaptation.
 
-Per step the engine asks `draft_k` (through the scheduler) how many draft tokens each decoding
-request may verify, calls `propose` for the scheduled ones, runs the target over "last token +
-draft" with logits for every position, and calls `accept` for each drafted request. Rejected
-tokens' KV is rolled back by the engine: it only advances `num_computed` over the accepted ones.
-Greedy output is unchanged; sampled output keeps its distribution, but a seed draws different
-tokens than it does without speculation (verification and sampled drafts use the request's generator).
+Greedy output is unchanged; sampled output keeps its distribution, though a seed draws different
+tokens than without speculation. Rejected tokens' KV is rolled back by not advancing `num_computed`.
 """
 
 from __future__ import annotations

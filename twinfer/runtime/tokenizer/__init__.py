@@ -1,10 +1,5 @@
-"""Tokenizers, streaming detokenization and chat templates.
-
-- `load_tokenizer(path)`: a `Tokenizer` for a GGUF file (ids identical to llama.cpp's) or a Hugging Face
-  model folder (tokenizer.json);
-- `StreamDecoder`: token ids -> text as they are generated, never splitting a character;
-- `render_chat`: a model's Jinja chat template rendered as transformers renders it.
-"""
+"""Tokenizers (`load_tokenizer`: GGUF, ids identical to llama.cpp's, or tokenizer.json), streaming
+detokenization (`StreamDecoder`) and chat templates (`render_chat`, as transformers renders them)."""
 
 from __future__ import annotations
 

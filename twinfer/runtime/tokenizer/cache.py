@@ -1,10 +1,5 @@
-"""On-disk cache of tokenizers converted from GGUF files.
-
-Converting a 262k-entry SentencePiece vocabulary takes seconds (merges are derived from scores); loading
-the converted `tokenizer.json` takes well under one. Entries are keyed by the GGUF file's resolved path,
-size and modification time plus `CONVERTER_VERSION`, so editing the file or changing the converter
-invalidates them. Writes are atomic (temporary file + rename), so concurrent processes are safe.
-"""
+"""On-disk cache of tokenizers converted from GGUF files, keyed by the file's path, size, mtime and
+`CONVERTER_VERSION`; writes are atomic, so concurrent processes are safe."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """Chat templates: render a list of messages into the prompt text a model was trained on.
 
-Templates are Jinja, run in a sandbox set up exactly as Hugging Face transformers sets it up
-(`ImmutableSandboxedEnvironment`, trim_blocks and lstrip_blocks, loop controls, the `{% generation %}`
-tag, `raise_exception`, `strftime_now`, a `tojson` that does not HTML-escape), so a model's template
-renders here as it does in `tokenizer.apply_chat_template(..., tokenize=False)`.
-
-Messages are validated first (`RequestError` names the bad field). What the template then sees:
-- `content` is always a string: a list of text parts is joined with "\\n" (as vLLM does), so templates
-  that only handle strings work; an assistant message with `tool_calls` may have no content (None);
-- `tool_calls[*].function.arguments` given as a JSON string (OpenAI style) is parsed into an object,
-  which is what Hugging Face templates expect;
-- reasoning given as `reasoning_content`, `thinking` or `reasoning` is visible under all three names.
-
-A model without a template gets `FALLBACK_TEMPLATE`, plain ChatML:
-`<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`.
+Jinja in a sandbox set up exactly as transformers sets it up, so a template renders as
+`apply_chat_template(..., tokenize=False)` does. Messages are validated (`RequestError`) and
+normalized first (docs/internals.md, "Chat templates"); no template: `FALLBACK_TEMPLATE` (ChatML).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Build a Hugging Face `tokenizers` tokenizer that reproduces llama.cpp's tokenizer for a GGUF vocabulary.
-
-Two GGUF tokenizer models are supported, mirroring llama.cpp's `llama-vocab.cpp`:
-
-- "llama" (SentencePiece, e.g. Gemma, Llama 2): llama.cpp repeatedly merges the adjacent pair whose
-  concatenation is in the vocabulary with the highest score, then falls back to `<0xXX>` byte tokens.
-  That is BPE with byte fallback whose merges are derived from the scores (`spm_merges`).
-- "gpt2" (byte-level BPE, e.g. Llama 3, Qwen 2): merges are stored in the file; the pre-tokenizer
-  regexes are chosen by `tokenizer.ggml.pre` exactly as llama.cpp chooses them.
-
-Text around control / user-defined tokens is split off first (llama.cpp's special-token partition),
-which is what `tokenizers`' added tokens do: control tokens become special added tokens, user-defined
-tokens non-special ones.
+"""Build a Hugging Face `tokenizers` tokenizer that reproduces llama.cpp's tokenizer for a GGUF vocabulary:
+"llama" (SentencePiece: BPE with merges derived from scores, byte fallback) and "gpt2" (byte-level BPE,
+pre-tokenizer by `tokenizer.ggml.pre`), mirroring `llama-vocab.cpp` (docs/internals.md, "Tokenizers").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Streaming detokenization: turn generated token ids into text as they arrive.
 
-`StreamDecoder` decodes a short window of recent tokens with a prefix offset (the technique of vLLM's
-and mlx-lm's incremental detokenizers): text is emitted only when the window decodes to something that
-does not end in U+FFFD, so a character split over several byte tokens (`<0xF0><0x9F><0x98><0x80>`) is
-emitted once, whole. Decoding the window from an already-emitted token, instead of from the new token
-alone, keeps SentencePiece's "▁" leading spaces and byte-level merges right at window edges.
-Cost per token is O(window), and the window is reset after every emission: O(1) amortized.
+`StreamDecoder` decodes a short window with a prefix offset (vLLM's and mlx-lm's technique) and emits
+only text not ending in U+FFFD, so a split character comes out once, whole; O(1) amortized per token.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""gpt-oss chat prompts in the harmony format, rendered as openai-harmony renders them.
-
-openai-harmony's renderer needs its o200k vocabulary, which it downloads on first use; twinfer
-downloads nothing at run time, so the same text is produced here (checked against openai-harmony's
-own golden renderings in the tests) and tokenized with the model's tokenizer, whose vocabulary is
-that encoding.
-
-What a chat request becomes:
-- a system message: model identity, knowledge cutoff, optional current date, `Reasoning: EFFORT`
-  (low / medium / high, default medium), the valid channels and, with function tools, where calls go;
-- a developer message with the request's system and developer messages as `# Instructions` and its
-  function tools as a TypeScript-like `namespace functions` (JSON schemas rendered as harmony does);
-- user turns; assistant turns as `final` messages, their calls as `commentary` messages to
-  `functions.NAME` (`<|constrain|>json`, ended by `<|call|>`), with their reasoning as `analysis`
-  while the tool chain is open (harmony drops earlier turns' reasoning once a final answer follows);
-- tool results as messages from `functions.NAME` to the assistant;
-- then `<|start|>assistant`, where the model continues.
+"""gpt-oss chat prompts in the harmony format, rendered as openai-harmony renders them (checked against
+its golden renderings) without downloading its vocabulary; what a request becomes: docs/internals.md,
+"Harmony prompts".
 """
 
 from __future__ import annotations

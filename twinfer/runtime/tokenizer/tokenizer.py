@@ -1,9 +1,5 @@
-"""`Tokenizer`: text <-> token ids for one model, backed by the Rust `tokenizers` library.
-
-Built from a GGUF file (the vocabulary is converted once to reproduce llama.cpp's tokenizer, then cached)
-or from a Hugging Face folder (tokenizer.json + tokenizer_config.json). Who calls it: the engine (prompt
-encoding, stop tokens), the stream decoder and the server's chat endpoint. Thread-safe.
-"""
+"""`Tokenizer`: text <-> token ids for one model, backed by the Rust `tokenizers` library; built from a
+GGUF file (converted once, cached) or a Hugging Face folder. Thread-safe."""
 
 from __future__ import annotations
 
