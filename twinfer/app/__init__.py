@@ -1,9 +1,5 @@
-"""The application layer: open a model the way the user asked, in one place.
-
-Above planners, quant and backends, below the faces (cli, tui, server start-up, bench): resolve a
-model, plan it under a memory budget, transform it (requantize, prune), open its runner, add a
-speculative proposer, build engines (`session.py`). It is the one layer that knows every other.
-"""
+"""The application layer: open a model the way the user asked, in one place (`session.py`): resolve,
+plan under a budget, transform, open the runner, add a proposer, build engines. It knows every layer."""
 
 from __future__ import annotations
 

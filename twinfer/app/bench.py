@@ -1,9 +1,5 @@
 """`twinfer bench`: closed-loop load in-process, reported with its hardware, build and traffic shape.
-
-Each concurrency level keeps `c` requests in flight until `requests_per_client * c` have finished.
-Prompts are cut from a corpus (so tokenization is real), optionally sharing a first `shared_prefix`
-tokens; every request generates exactly `output_tokens` (EOS ignored, loop guard off).
-"""
+Each level keeps `c` requests in flight; prompts are cut from a corpus, outputs are exactly `output_tokens`."""
 
 from __future__ import annotations
 

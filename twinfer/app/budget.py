@@ -1,16 +1,8 @@
 """`--memory-budget`: ask for a local strategy that fits, apply it, and say what was chosen.
 
-Two kinds of runner, two ways to fit:
-
-- llama.cpp (GGUF): the planner (`planners.plan.make_plan`) picks the weight format and KV-cache type
-  for a device whose memory is the budget. A format other than the file's own is made with
-  llama.cpp's quantizer (`llama_model_quantize`, cached next to the model's cache dir); the KV type
-  is passed to the runner. Pruning, the planner's last resort, runs only with `allow_pruning`.
-- torch / MLX: the weights' bytes as the runner holds them are exact, so the choice is made here:
-  the runner's default dtype, then half precision, then, for MoE models at batch 1, full precision
-  with routed experts streamed from the file through a cache sized to the rest of the budget
-  (runtime/experts.py), then pruned layers when allowed. A batch of more than one sequence reaches
-  most experts every step, so it keeps every expert resident.
+llama.cpp: the planner picks weight format and KV type for a device whose memory is the budget
+(requantized by llama.cpp's quantizer; pruning only with `allow_pruning`). torch / MLX: exact byte
+counts decide here: default dtype, half precision, experts streamed at batch 1, then pruning.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """`--memory-budget` on a GGUF MoE bigger than the budget: page its experts from the file, or requantize.
 
-The planner prices a batch-1 MoE plan that keeps only part of the routed experts resident
-(`Strategy.stream_fraction`). On llama.cpp that plan is run as the file mapped, never read into
-anonymous memory: dense weights resident, routed-expert pages held under a bound, the rest read from
-the file as tokens route to them (backends/llamacpp/paging.py). It is lossless but reads from disk; a
-file requantized by llama.cpp's quantizer may fit whole and decode faster for a stated KL. Both are
-scored the way the planner scores every plan (speed discounted by expected KL, `search.score`), and the
-summary says which won and what the other would have given.
+Paging (lossless, reads from disk; backends/llamacpp/paging.py) and a requantized file that fits whole
+are scored as every plan is (speed discounted by expected KL); the summary names the winner and the other.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """`twinfer cluster`: N `twinfer serve` replicas behind SGLang's Model Gateway (`smg`), on one port.
 
-Each replica is a `twinfer serve` process on a free loopback port that publishes vLLM-format KV events
-(runtime/kv/events.py) and vLLM's load gauges on /metrics; the gateway routes among them with the
-policy asked for (cache_aware: its approximate prefix tree over HTTP workers). Every child runs in a
-process group of its own and, on Linux, is told to exit if this process dies, so stopping the cluster
-(Ctrl+C, SIGTERM, or `Cluster.stop()`) leaves no orphans. Every wait here is bounded in time.
-
-For prefill/decode disaggregation the cluster starts the two pools (replicas with `--kv-connector tcp`)
-and hands their URLs (`Pools`) to twinfer's prefill/decode proxy (app/pd.py) where this build has it,
-else to the gateway's PD mode; the KV hand-over between them belongs to the replicas' KV connector.
+Replicas publish vLLM-format KV events and load gauges; each child runs in its own process group and
+dies with this process, so stopping leaves no orphans; every wait is bounded. Prefill/decode pools go
+to twinfer's proxy (app/pd.py) or the gateway's PD mode (docs/cluster.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """`twinfer doctor MODEL [PROMPT]`: run the same tokens through every stage that applies and find the
-first one that changes the model more than it may.
-
-Stages, each compared with its base: the reference (transformers on the safetensors, or on the
-GGUF dequantized), twinfer's graph on torch and MLX, the llama.cpp runner (GGUF), the variant a
-`--memory-budget` plan chooses, tensor/expert parallelism over gloo where the model splits,
-speculative decoding, and batched against alone. The result carries the hardware, the backend
-libraries' versions and twinfer's git revision.
-"""
+first one that changes the model more than it may; the result carries hardware, versions and revision."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The stages `twinfer doctor` runs a model's tokens through, and what each may change.
-
-A stage yields teacher-forced logits ([tokens, vocab]) or, for speculative decoding, a greedy
-continuation; it is compared with its `base` stage. Lossless stages must keep greedy output and
-stay within KL 1e-6 where the arithmetic is the same; stages with other arithmetic (llama.cpp's
-quantized activations) or quantization get their measured allowance.
-"""
+"""The stages `twinfer doctor` runs a model's tokens through, each compared with its `base`: lossless
+stages keep greedy output (KL <= 1e-6 on the same arithmetic); others get their measured allowance."""
 
 from __future__ import annotations
 

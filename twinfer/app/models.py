@@ -1,10 +1,5 @@
-"""Open a model's runner: pick the backend, build the runner, load the tokenizer.
-
-Every runner the application opens is built by `open_runner` from one `RunnerOptions` (the session,
-a memory budget's strategy, the draft model, quant's measuring harness through `app.runners`), so the
-backend choice, each backend's options and their error messages live in one place. Backends are
-imported here lazily.
-"""
+"""Open a model's runner: pick the backend, build the runner, load the tokenizer. Every runner is built
+by `open_runner` from one `RunnerOptions`; backends are imported lazily."""
 
 from __future__ import annotations
 

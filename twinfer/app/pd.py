@@ -1,14 +1,7 @@
-"""Prefill/decode disaggregation: a KV connector on each replica, and the proxy that pairs them.
+"""Prefill/decode disaggregation: the proxy that pairs a prefill replica with a decode replica.
 
-A request goes to a prefill replica first, with `kv_transfer_params={"do_remote_decode": true}`
-and one token to generate; that replica computes the prompt, keeps its KV for a decoder
-(runtime/kv/connector.py) and answers with the `kv_transfer_params` that say where it waits. The
-proxy then sends the original request, with those params, to a decode replica, which fetches the
-KV, emits the prefill's token and decodes the rest; its answer (streamed or not) is the client's.
-This is vLLM's disaggregated-prefill proxy flow (its toy_proxy_server), over twinfer's TCP transport.
-
-`twinfer cluster --prefill N --decode M` starts the replicas with `--kv-connector tcp` and calls
-`start_pd_proxy(prefill_urls, decode_urls, host, port)` (or mounts `create_pd_app`).
+vLLM's disaggregated-prefill proxy flow over twinfer's TCP transport (docs/cluster.md); `twinfer cluster
+--prefill N --decode M` calls `start_pd_proxy` (or mounts `create_pd_app`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The runners quant's measuring harness asks for (`quant.fidelity.RunnerFactory`), opened by the app.
-
-quant scores models (KL, sensitivities, pruning ranks) without importing a backend: whoever calls it
-hands it `RUNNERS`, which builds them where every other runner is built (`app/models.py`).
-"""
+"""The runners quant's measuring harness asks for (`quant.fidelity.RunnerFactory`): `RUNNERS` builds
+them where every other runner is built (`app/models.py`), so quant imports no backend."""
 
 from __future__ import annotations
 

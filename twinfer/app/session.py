@@ -1,9 +1,5 @@
 """Open a model the way the user asked, in one place: what `generate`, `chat`, `serve` and `bench` call.
-
-`open_session` resolves the model, plans it under a memory budget when one is given (requantizing
-or pruning it as the plan says), opens the runner, adds the speculative proposer, and returns a
-`Session` whose `engine()` builds engines over that runner with the session's context and limits.
-"""
+`open_session` returns a `Session` whose `engine()` builds engines over its runner."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Bit packing shared by the formats: b-bit codes <-> a little-endian byte stream.
 
-Code ``i`` of a row occupies bits ``[i*b, (i+1)*b)`` of the row's stream, counting from the least
-significant bit of byte 0. For ``b == 4`` this is "low nibble first", the order NVFP4, MXFP4 and
-gpt-oss use; for ``b == 8`` it is the identity.
-
-Rows whose length does not fill whole bytes (:func:`pack_rows`) are zero-padded to whole groups of
-:func:`code_group` codes: 8 codes in 3 bytes at 3 bits, 2 in 1 byte at 4. The KV caches of the torch
-and MLX backends hold their codes in this layout (``backends/*/quant.py`` pack with device ops).
+Code `i` of a row occupies bits `[i*b, (i+1)*b)` from the least significant bit of byte 0 (b = 4: low
+nibble first); `pack_rows` zero-pads rows to whole groups of `code_group` codes.
 """
 
 from __future__ import annotations

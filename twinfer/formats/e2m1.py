@@ -1,10 +1,5 @@
-"""FP4 E2M1, the element type of NVFP4 and MXFP4 (OCP MX spec v1.0, section 5.3.3).
-
-A code is ``s e1 e0 m`` (sign, 2 exponent bits with bias 1, 1 mantissa bit): no inf, no NaN.
-Codes 0..7 are the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are their negatives
-(8 is -0). Encoding rounds to nearest, ties to the even code, and saturates at +-6, matching
-NVIDIA ModelOpt's ``NVFP4QTensor._cast_fp4`` and the MX spec's clamping conversion.
-"""
+"""FP4 E2M1, the element type of NVFP4 and MXFP4 (OCP MX spec v1.0, section 5.3.3): codes 0..7 are
+0, 0.5, 1, 1.5, 2, 3, 4, 6, codes 8..15 their negatives; encoding rounds to nearest even, saturating."""
 
 from __future__ import annotations
 

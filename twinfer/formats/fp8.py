@@ -1,21 +1,8 @@
 """FP8 E4M3 weights (OCP 8-bit floating point, the "fn" variant): per-tensor and 128x128 block scales.
 
-Element code ``s eeee mmm``: exponent bias 7, subnormals at exponent 0 (``m * 2**-9``), no
-infinities, NaN only at ``s.1111.111``, so the largest finite magnitude is ``1.75 * 2**8 = 448``.
-Encoding rounds to nearest, ties to even. With ``saturate=True`` (the default, and what the packers
-use) results beyond 448 and infinities clamp to +-448: bit-identical to
-``torch.Tensor.to(torch.float8_e4m3fn)`` on CPU, which saturates. ``saturate=False`` turns them
-into NaN instead, the non-saturating conversion of the OCP FP8 spec.
-
-Layouts a backend consumes (``codes`` views directly as ``torch.float8_e4m3fn``):
-
-* :class:`FP8Tensor` (``"fp8"``): ``codes`` uint8 ``[out, in]``, ``scale`` float32 scalar, or
-  ``[out, 1]`` per output channel (compressed-tensors' ``strategy: channel``);
-  ``w = decode(codes) * scale``. Same as a torch ``_scaled_mm`` per-tensor / rowwise weight scale.
-* :class:`FP8BlockTensor` (``"fp8-block"``, DeepSeek-V3 style): ``codes`` uint8 ``[out, in]``,
-  ``scale_inv`` float32 ``[ceil(out/128), ceil(in/128)]``;
-  ``w[i, j] = decode(codes[i, j]) * scale_inv[i // 128, j // 128]`` (the checkpoint's
-  ``weight_scale_inv``).
+Encoding rounds to nearest even and saturates at +-448 (bit-identical to torch's float8_e4m3fn cast);
+`saturate=False` gives NaN instead. `FP8Tensor`: `w = decode(codes) * scale` (scalar or per channel);
+`FP8BlockTensor`: `scale_inv` per 128x128 tile (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """MXFP4 (OCP Microscaling Formats spec v1.0): E2M1 values in 32-element blocks, E8M0 block scales.
 
-Layout a backend consumes, identical to gpt-oss checkpoints (``*_blocks`` / ``*_scales``), for
-``w`` float32 ``[out, in]`` with ``in % 32 == 0``:
-
-* ``blocks`` uint8 ``[out, in / 32, 16]``: 32 E2M1 codes per block, two per byte, the even element
-  in the low nibble (OpenAI's gpt-oss reference ``weights.py``: ``out[:, 0::2] = lut[blk & 0x0F]``,
-  ``out[:, 1::2] = lut[blk >> 4]``). ``mx.quantize(mode="mxfp4")``'s uint32 words, viewed as bytes
-  on a little-endian host, are the same bytes.
-* ``scales`` uint8 ``[out, in / 32]``: E8M0 codes, ``scale = 2**(code - 127)``, 255 is NaN.
-
-``w[r, 32*b + i] = e2m1(blocks[r, b])[i] * 2**(scales[r, b] - 127)``.
-
-Quantization is the spec's reference recipe (section 6.3): shared exponent
-``floor(log2(amax(block))) - 2`` (2 = E2M1's largest exponent), clamped to E8M0's range, then each
-element is rounded to E2M1 with saturation at +-6. (MLX picks its scale differently, rounding up so
-nothing saturates, so its codes can differ; its decoding agrees.)
+`blocks` uint8 [out, in / 32, 16] (even element in the low nibble, gpt-oss's layout), `scales` uint8
+[out, in / 32]: `w[r, 32*b + i] = e2m1(blocks[r, b])[i] * 2**(scales[r, b] - 127)`; quantization is the
+spec's reference recipe (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """NVFP4: E2M1 values in 16-element blocks with E4M3 block scales and one FP32 tensor scale.
 
-Layout a backend consumes, for ``w`` float32 ``[out, in]`` with ``in % 16 == 0``:
-
-* ``packed`` uint8 ``[out, in / 2]``: two E2M1 codes per byte, the even column in the low nibble
-  (``byte = q[2i] | q[2i+1] << 4``). This is the order of NVIDIA ModelOpt's ``NVFP4QTensor``
-  (``(q[..., 1::2] << 4) | q[..., 0::2]``), which TensorRT-LLM and vLLM load as-is.
-* ``scales`` uint8 ``[out, in / 16]``: E4M3 codes (view as ``torch.float8_e4m3fn``), row-major.
-  Blackwell CUTLASS kernels want them swizzled into 128x4 tiles; that reorder is the backend's.
-* ``global_scale`` float32: the dequantization multiplier (ModelOpt's ``weight_scale_2``;
-  compressed-tensors stores its reciprocal as ``weight_global_scale``).
-
-``w[r, c] = e2m1(packed)[r, c] * e4m3(scales[r, c // 16]) * global_scale``. Quantization follows
-ModelOpt: ``global_scale = amax(w) / (6 * 448)``, block scale ``= e4m3(amax(block) / (6 *
-global_scale))`` (an all-zero block gets scale 1.0), then each element is rounded to E2M1 after
-dividing by its decoded block scale times ``global_scale``.
+`packed` uint8 [out, in / 2] (even column in the low nibble, ModelOpt's order), `scales` uint8 E4M3
+[out, in / 16] row-major, `global_scale` float32: `w[r, c] = e2m1(packed)[r, c] * e4m3(scales[r, c // 16])
+* global_scale`; quantization follows ModelOpt (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The planner against published measurements: read docs/planner-accuracy.md, predict each row, score.
-
-The document is the data set: one markdown table between `<!-- measurements:start -->` and
-`<!-- measurements:end -->`. Adding a row is adding a measurement. Running this module rewrites the
-table's `predicted` and `error` columns and prints the median absolute error:
-
-    python -m twinfer.planners.accuracy docs/planner-accuracy.md
+"""The planner against published measurements: docs/planner-accuracy.md's table between
+`<!-- measurements:start -->` and `<!-- measurements:end -->` is the data set; running
+`python -m twinfer.planners.accuracy docs/planner-accuracy.md` rewrites its predictions and errors.
 """
 
 from __future__ import annotations

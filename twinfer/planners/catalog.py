@@ -1,8 +1,5 @@
-"""Published architectures the planner knows by name, transcribed from each model's config.json.
-
-`twinfer plan llama-3.1-70b` needs no download. Each entry records where its numbers come from
-(the Hugging Face repository whose config.json they are) and the format its weights are published in.
-"""
+"""Published architectures the planner knows by name, transcribed from each model's config.json, each
+with its source repository and published weight format."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The cost model: seconds per decode step and per prefill, from bytes, FLOPs, dequantization and links.
-
-One decode step on one device moves its share of the weights and the KV cache (time at the device's
-bandwidth), multiplies (time at its tensor peak) and, for formats its matrix units cannot consume,
-expands weights on the vector units (the dequantization term). A fused kernel overlaps memory and ALU
-work, imperfectly (`overlap_loss`). Added to that: a fixed cost per layer in GPU cycles, tensor-parallel
-all-reduces over the node's link, expert streaming for local MoE plans, and pipeline hops between nodes.
-"""
+"""The cost model: seconds per decode step and per prefill, from bytes, FLOPs, dequantization and links
+(the formula: docs/planner-accuracy.md, "The cost model and its calibration")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""`--hardware` as a user writes it: `auto`, `cpu`, a table name, or a description of a device.
-
-A description is inline (`gpu:memory=24GB,bandwidth=1008GB/s,bf16=165TFLOPS,link=pcie4`) or a TOML/JSON
-file with the same keys (docs/hardware.md). Memory, bandwidth and compute are required; everything
-else gets a stated default, recorded in the device's `source` so that `twinfer hw` and every plan show
-what was assumed. `resolve_cluster` is the one place a command turns `--hardware/--gpus/--nodes/
---memory-budget` into the `Cluster` it plans on.
+"""`--hardware` as a user writes it: `auto`, `cpu`, a table name, or a described device (inline or a
+TOML/JSON file, docs/hardware.md); defaults are recorded in `source`. `resolve_cluster` is the one place
+a command turns its hardware flags into the `Cluster` it plans on.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """What each engine runs: the planner's copy of the runtime's refusals, so a plan never names a strategy
-(architecture x format x engine x parallelism) that the runner it names would refuse.
-
-Each rule mirrors one place the runtime refuses, named in its message:
-- the torch runner holds KV in its dtype (f32, bf16, f16) or TurboQuant codes (`TorchOps`); it converts
-  weights itself only to bf16, f32 or FP8 (`backends/cuda/formats.native_weight_format`), loads a
-  checkpoint's published format (MXFP4 experts, dequantized), and on a GPU takes only formats its
-  tensor cores multiply (`check_format`, priced by `cost._native`);
-- TurboQuant KV codes K and V per head, so latent attention (MLA) and attention sinks do not run on it
-  (`TorchOps.latent_attention`, `TorchOps._sink_attention` and their MLX twins), nor layers that read
-  another layer's KV (`_tq_kv_caches`);
-- the llama.cpp runner loads GGUF files with an F16, Q8_0 or Q4_0 cache.
+(architecture x format x engine x parallelism) that the runner it names would refuse. Each rule names
+the runtime place it mirrors.
 """
 
 from __future__ import annotations

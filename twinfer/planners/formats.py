@@ -1,12 +1,7 @@
 """Weight and KV-cache formats as the planner sees them: bits per weight, what they compute in, what they cost.
 
-A `Format` is one storage type (Q4_K, NVFP4, BF16...). A `Mix` says which format each component of a
-model is stored in: llama.cpp's Q4_K_M keeps half the V and down projections in Q6_K and the output
-matrix in Q6_K; gpt-oss keeps its experts in MXFP4 and the rest in BF16. Bits include block scales.
-
-`compute` is the dtype a matrix unit consumes: a format whose compute dtype the device lists as native
-is multiplied directly; any other format is expanded by a dequantization loop on the vector units at
-`dequant_ops` operations per weight (cost.py charges that time).
+A `Mix` says which `Format` each component is stored in (bits include block scales). A format whose
+`compute` dtype the device lists as native is multiplied directly; any other pays `dequant_ops` per weight.
 """
 
 from __future__ import annotations

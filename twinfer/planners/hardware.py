@@ -1,8 +1,5 @@
-"""What the planner knows about hardware: one device, a node shape, and the cluster a plan runs on.
-
-Numbers come from the published table (`hw_table.py`) or from the probe (`probe.py`); the planner
-never asks a device anything itself.
-"""
+"""What the planner knows about hardware: one device, a node shape, and the cluster a plan runs on,
+from the published table or the probe; the planner never asks a device itself."""
 
 from __future__ import annotations
 

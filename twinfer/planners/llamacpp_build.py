@@ -1,9 +1,5 @@
 """Which llama-cpp-python build is installed: its ggml backends and the GPU devices they found.
-
-Part of the probe (it asks the machine, through llama.cpp's ggml backend registry); the planner itself
-only reads the `LlamaBuild` it returns. $TWINFER_LLAMACPP_BUILD pins one (`CPU` or `CPU,CUDA`), so tests
-and plans for another machine never depend on what this one has installed.
-"""
+Part of the probe; $TWINFER_LLAMACPP_BUILD (`CPU` or `CPU,CUDA`) pins one for tests and other machines."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The memory model: what one device holds under a strategy, and what is left for the KV cache.
-
-Per device: its shard of the resident weights, its shard of the KV cache for the sequences in flight,
-an activation workspace, and the runtime's own overhead. MoE plans that stream experts keep only the
-dense part plus a cache of experts resident (the batch-1 active footprint); plans that serve at
-concurrency keep every expert, because a batch's router reaches all of them.
-"""
+"""The memory model: what one device holds under a strategy (weights shard, KV for the sequences in
+flight, workspace, overhead), and what is left for the KV cache. Only batch-1 plans stream experts."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""ModelProfile: a model's parameters counted by component, from a ModelSpec, a parameter count, or a GGUF.
-
-Components (formats.COMPONENTS) are what a format mix prices differently and what a decode step reads
-differently: `lm_head` is read whole every step, `embed` only one row per token, `experts` only for the
-experts the router picks.
-"""
+"""ModelProfile: a model's parameters counted by component (formats.COMPONENTS), from a ModelSpec, a
+parameter count, or a GGUF; components are what a mix prices and a step reads differently."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """Where llama.cpp puts a local plan's weights, and whether the installed llama.cpp build can put them there.
 
-A `Placement` is the plan's answer in llama.cpp's own terms, which the llama.cpp runner applies as it
-loads the file: on a GPU or Apple silicon every layer goes to the device (`n_gpu_layers`) and, where
-the plan streams a share of the routed experts, the experts of the first N layers stay in host memory
-(llama-server's `--n-cpu-moe N`: a buffer-type override of `blk.<i>.ffn_*_exps` tensors to the CPU
-buffer, where llama.cpp runs their matmuls on the CPU); on a CPU nothing goes to a device.
-
-A `LlamaBuild` is what the installed llama-cpp-python was compiled with (its ggml backends: CPU, CUDA,
-Metal, Vulkan, ...). `pip install llama-cpp-python` builds the CPU backend alone, which ignores every
-GPU layer: a plan on a GPU then says so (`build_refusal`).
+A `Placement` is the plan in llama.cpp's terms (`n_gpu_layers`, `--n-cpu-moe N`), applied by the runner
+as it loads; a build without the device's backend refuses (`build_refusal`) (docs/architecture.md, "The
+runner contract").
 """
 
 from __future__ import annotations

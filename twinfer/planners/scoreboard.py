@@ -1,12 +1,7 @@
 """llama.cpp's CUDA scoreboard as the planner's test: replay it, fit the GPU factors on part of it, score the rest.
 
-The data is docs/data/llamacpp-cuda-scoreboard.json: Llama-2-7B Q4_0, `llama-bench -ngl 99 -fa 0`, tg128 on
-one NVIDIA GPU per row, each row naming the hardware-table row it ran on and whether the fit may see it
-(`train`), must not (`held_out`), or cannot model it (`excluded`, with the reason). `fit` grid-searches the
-llama.cpp factors of one device class (bandwidth efficiency and fixed cycles per layer, calibration.py) on
-the training rows plus the other published llama.cpp GPU rows of docs/planner-accuracy.md:
-
-    python -m twinfer.planners.scoreboard docs/data/llamacpp-cuda-scoreboard.json
+Data: docs/data/llamacpp-cuda-scoreboard.json (rows marked `train`, `held_out` or `excluded`); run
+`python -m twinfer.planners.scoreboard docs/data/llamacpp-cuda-scoreboard.json`.
 """
 
 from __future__ import annotations

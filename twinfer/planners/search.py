@@ -1,16 +1,9 @@
 """Strategy search: enumerate the ways to run a model on a cluster, price each, keep the fastest that fits.
 
-Fidelity comes first in a fixed order of passes: formats rated good or better (tier <= 2) without
-pruning; then lossier formats; pruning only as the last resort. A datacenter target first looks only at
-plans whose weights and KV cache the hardware consumes natively (docs/architecture.md: nothing may cost kernel time
-the hardware does not need) and never falls back to a dequantizing format: when no native plan fits,
-there is no plan, and the explanation names the smallest change (more GPUs). Inside a pass the fastest plan at the
-requested concurrency wins after a discount for expected KL (`score`): 0.01 nats costs about 10% of speed.
-
-A format the user names (`--format`) is honoured wherever a runner runs it: on a datacenter target a
-non-native format is planned on the llama.cpp runner when that runner runs it (the native-only rule governs
-the formats the planner picks), and a published checkpoint no runner here holds as published (gpt-oss's
-MXFP4 experts on a GPU without FP4) is planned as its GGUF conversion (`LOCAL_EQUIVALENT`) on llama.cpp.
+Fidelity first, in passes: good formats without pruning, then lossier ones, pruning last. A datacenter
+target considers only native formats and never falls back to dequantizing ones. Within a pass the
+fastest plan wins after a KL discount (`score`); a format the user names is honoured wherever a runner
+runs it (docs/architecture.md, "The planner's cost model").
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Where a plan's model comes from: a GGUF or Hugging Face path, a catalog name, or parameter counts.
-
-A file is read through the runtime's loader for its ModelSpec and the *stored* size of every tensor;
-nothing is dequantized, so planning a 400 GB GGUF reads only its header.
-"""
+Files are read for their spec and stored sizes only, so planning a 400 GB GGUF reads its header."""
 
 from __future__ import annotations
 
