@@ -266,15 +266,14 @@ class _BlockStream:
         for p in d.parts:  # a call streamed as generated: its block opens on its name, then its arguments
             if p.id is not None:
                 self.streamed.add(p.id)
-                block = {"type": "tool_use", "id": _tool_use_id(p.id), "name": p.name, "input": {}}
+                block: dict[str, Any] = {"type": "tool_use", "id": _tool_use_id(p.id), "name": p.name, "input": {}}
                 events += self.start("tool_use", block)
             if p.arguments:
                 events.append(self._delta({"type": "input_json_delta", "partial_json": p.arguments}))
         for c in d.calls:
             if c.id in self.streamed:
                 continue
-            block = {**_tool_use(c), "input": {}}
-            events += self.start("tool_use", block)
+            events += self.start("tool_use", {**_tool_use(c), "input": {}})
             events.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
         return events
 
