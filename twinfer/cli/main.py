@@ -1,9 +1,5 @@
-"""The `twinfer` console script.
-
-Each command declares its options here (typer only needs the signature) and imports its
-implementation inside the body, so `twinfer --help` and `twinfer plan` never load torch or mlx.
-User errors (`TwinferError`) print as one line on stderr with a non-zero exit code.
-"""
+"""The `twinfer` console script: options declared here, implementations imported inside each command,
+so `--help` and `plan` never load torch or mlx. A `TwinferError` prints as one line, non-zero exit."""
 
 from __future__ import annotations
 

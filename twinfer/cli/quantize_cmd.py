@@ -1,12 +1,6 @@
-"""`twinfer quantize`: choose a weight format per tensor at a bit budget, write a quantized folder.
-
-Without --search every layer projection gets the best format in --formats that fits the budget.
-With --search, per-group sensitivities are measured and combined (quant/search.py). The folder
-records the KL it was measured at (against the unquantized model on the torch backend, fp32), plus
-the KL of a short verification window that `twinfer quantize FOLDER --verify` re-checks.
-With --gguf (source models that are GGUF files) the folder is also written as DIR/model.gguf for
-llama.cpp (quant/gguf_export.py); `twinfer quantize FOLDER --gguf` exports an existing folder.
-"""
+"""`twinfer quantize`: choose a weight format per tensor at a bit budget, write a quantized folder
+recording its measured KL (`--search`: measured sensitivities; `--gguf`: also DIR/model.gguf;
+`--verify` re-checks a folder)."""
 
 from __future__ import annotations
 

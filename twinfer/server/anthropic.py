@@ -1,11 +1,6 @@
-"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) over the same engine path.
-
-A Messages request becomes an OpenAI-style chat (system prompt first, `tool_use` blocks as assistant
-`tool_calls`, `tool_result` blocks as `tool` messages) with the same tool planning, chat template,
-sampling checks and limits as /v1/chat/completions; the answer is rendered as a `message` object or
-Anthropic's event stream (message_start, content_block_start/delta/stop, message_delta,
-message_stop). Errors keep the server's one error body.
-"""
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) over the same engine path: a
+Messages request becomes an OpenAI-style chat with the same checks, and the answer a `message` object
+or Anthropic's event stream."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """`create_app`: the OpenAI-compatible HTTP server over an `AsyncEngine`, one model per app.
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages and
-/v1/messages/count_tokens (Anthropic), GET /v1/models (all behind the API key when one is set),
-POST /tokenize and /detokenize (vLLM's), GET /health, GET /metrics. The app holds no global state: its metrics registry,
-its engine and its drain state live on `app.state.twinfer` (a `ServerState`), so two apps can
-share one process. Outer layers, in order: request counting, the API key, the body-size limit.
+Routes: docs/api.md. No global state: metrics, engine and drain state live on `app.state.twinfer`, so two
+apps can share one process. Outer layers, in order: request counting, the API key, the body-size limit.
 """
 
 from __future__ import annotations

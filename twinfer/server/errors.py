@@ -1,8 +1,5 @@
-"""OpenAI-style error objects: {"error": {"message", "type", "param", "code"}}.
-
-Every rejection the server makes goes through `APIError`, so clients (the `openai` package among them)
-see the shape they expect, with a message that says what was wrong and what to do.
-"""
+"""OpenAI-style error objects ({"error": {"message", "type", "param", "code"}}): every rejection goes
+through `APIError`, with a message that says what was wrong and what to do."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""`twinfer bench --url`: closed-loop load through an OpenAI-compatible HTTP server.
-
-Each of `c` clients sends `requests_per_client` streaming /v1/completions requests back to back
-(greedy, `ignore_eos`, so every request asks for the same number of tokens) and times them as a user
-would see them: TTFT is request start to the first text chunk, TPOT the mean gap between tokens after
-it. The result has the in-process bench's shape, so the two can be compared line for line. Works
-against any OpenAI-compatible server (twinfer, vLLM, llama-server); token counts come from `usage`.
-"""
+"""`twinfer bench --url`: closed-loop load through any OpenAI-compatible server, streaming greedy
+/v1/completions with `ignore_eos`; TTFT and TPOT as a user sees them, in the in-process bench's shape."""
 
 from __future__ import annotations
 

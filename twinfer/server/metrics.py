@@ -1,9 +1,5 @@
-"""Prometheus metrics of one server, in a registry of its own (two apps in one process never share).
-
-Per-request numbers (status, finish reason, TTFT, TPOT, tokens) are recorded by the request
-handlers; engine state (queue, running, KV blocks, prefix hits, guard trips, speculative decoding)
-is read from the engine thread's latest `EngineStats` snapshot at scrape time.
-"""
+"""Prometheus metrics of one server, in its own registry: per-request numbers from the handlers,
+engine state from the latest `EngineStats` snapshot at scrape time."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Plain ASGI middleware: request counting, API-key checks and the body-size limit.
-
-They run before FastAPI reads or parses anything, so an unauthenticated or oversized request costs
-a header check, never a buffered body or a JSON parse.
-"""
+"""Plain ASGI middleware (request counting, API key, body-size limit), run before FastAPI reads
+anything, so a rejected request costs a header check."""
 
 from __future__ import annotations
 

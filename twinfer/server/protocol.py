@@ -1,12 +1,7 @@
 """OpenAI request bodies as pydantic models, with OpenAI's limits.
 
-Types are strict (a string where a number belongs is a 400, as with OpenAI), and unknown fields are
-ignored without error, as vLLM does. Fields OpenAI accepts that twinfer cannot honour (suffix,
-best_of > 1, echo on the chat API) are rejected with a message that says so, rather than silently
-producing something else. The vendor extras twinfer honours are those of vLLM (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, priority, chat_template_kwargs, structured_outputs,
-the guided_* fields and the completions API's prompt_logprobs) and llama-server's json_schema and
-grammar.
+Strict types; unknown fields ignored (as vLLM); fields twinfer cannot honour are rejected saying so.
+vLLM's and llama-server's extras that twinfer honours: docs/api.md.
 """
 
 from __future__ import annotations

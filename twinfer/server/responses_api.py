@@ -1,12 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless: nothing is stored, so
-`previous_response_id` is refused and every request carries its whole conversation in `input`.
-
-The input items become a chat (instructions as the system prompt, `function_call` items as
-assistant `tool_calls`, `function_call_output` items as `tool` messages); tools, `text.format`
-(structured output), sampling checks and limits are those of /v1/chat/completions. The answer is a
-`response` object or its event stream (response.created ... response.completed, each event with a
-`sequence_number`).
-"""
+"""OpenAI's Responses API (`POST /v1/responses`), stateless: `previous_response_id` is refused and
+every request carries its conversation in `input`, served as /v1/chat/completions is."""
 
 from __future__ import annotations
 

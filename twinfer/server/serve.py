@@ -1,10 +1,5 @@
-"""Running an app with uvicorn, with a graceful drain on SIGTERM/SIGINT.
-
-uvicorn alone stops listening on the first signal, so clients would see refused connections. Here the
-first signal starts `ServerState.drain`: the port stays open and answers new requests with 503, in-flight
-requests finish (or end with a clear reason after the grace period), then uvicorn exits. A second
-signal exits at once.
-"""
+"""Running an app with uvicorn, with a graceful drain: the first SIGTERM/SIGINT keeps the port open
+answering 503 while in-flight requests finish; a second signal exits at once."""
 
 from __future__ import annotations
 

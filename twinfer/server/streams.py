@@ -1,9 +1,5 @@
-"""Submitting a request's n choices to the engine, and reading them back as one stream.
-
-For n > 1 the first choice is submitted alone and its first output awaited: by then its prompt is
-in the KV cache, so the other n - 1 find its full blocks in the prefix cache and prefill only the
-tail. Each choice is an engine request of its own (seed + i when the request has a seed).
-"""
+"""Submitting a request's n choices to the engine, and reading them back as one stream. For n > 1 the
+first choice goes alone until its first output, so the others prefill only past its cached prefix."""
 
 from __future__ import annotations
 

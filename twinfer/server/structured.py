@@ -1,11 +1,6 @@
-"""Structured-output fields of a request -> the one `Constraint` the engine enforces.
-
-Accepted spellings: OpenAI's `response_format` (`json_object`; `json_schema` with `schema` and
-`strict`), vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and its
-older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and llama-server's
-`json_schema` and GBNF `grammar`. `strict: false` is enforced all the same (as vLLM does). Two
-constraints in one request are a 400: which one should win is the client's call, not ours.
-"""
+"""Structured-output fields of a request -> the one `Constraint` the engine enforces: OpenAI's
+`response_format`, vLLM's `structured_outputs` and `guided_*`, llama-server's `json_schema`/`grammar`
+(docs/api.md). Two constraints in one request are a 400."""
 
 from __future__ import annotations
 

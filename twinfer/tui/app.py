@@ -1,9 +1,5 @@
-"""`ChatApp`: the Textual chat front end (`twinfer chat`).
-
-The model loads on a worker thread while the app stays responsive; replies stream from the
-engine thread (through `ChatBackend`) into an async worker on the app's loop. Every failure a user
-can cause ends up as a message in the conversation view that says what to do; the app keeps running.
-"""
+"""`ChatApp`: the Textual chat front end. The model loads on a worker thread; replies stream from the
+engine thread; every user-caused failure becomes a message saying what to do, and the app keeps running."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""What the chat app needs from a model, and the one implementation over the engine.
-
-`ChatBackend` is the seam between the Textual app and the runtime: the app never touches the
-engine. `EngineBackend` runs an `Engine` inside an `AsyncEngine` (its own thread, results streamed
-to the app's event loop); tests substitute a stub to get a deterministic screen.
-
-`load_backend` is blocking and runs on a worker thread; it reports progress through a callback and
-raises `TwinferError` with what to do for every problem a user can cause (missing model, backend
-not installed, model does not fit).
-"""
+"""What the chat app needs from a model (`ChatBackend`, the app's only view of the engine) and
+`EngineBackend` over an `AsyncEngine`; `load_backend` blocks on a worker thread and raises `TwinferError`
+with what to do."""
 
 from __future__ import annotations
 

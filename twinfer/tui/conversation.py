@@ -1,9 +1,5 @@
-"""A chat's state and its file: messages, system prompt and sampling settings, saved as JSON.
-
-Conversations live in `<data dir>/conversations/<id>.json`. The data dir is
-`platformdirs.user_data_dir("twinfer")` unless `TWINFER_DATA_DIR` or the store's constructor says
-otherwise (tests always point it at a temporary folder).
-"""
+"""A chat's state and its file: messages, system prompt and sampling settings, saved as JSON under
+`<data dir>/conversations/` (`TWINFER_DATA_DIR` or platformdirs' user data dir)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""A conversation -> the prompt tokens and stop strings for its next reply.
-
-Two formats:
-
-- `template`: the model's own chat template. Right for chat-tuned models.
-- `transcript`: "system\\n\\nUser: ...\\nAssistant: ...\\nUser: ...\\nAssistant:" with a stop at the next
-  role marker. Right for base models such as the embedded Gemma 3 270M: fed its chat template it
-  echoes the turn markers back and loops, while a transcript is text it has seen, so it answers
-  (briefly) and stops by itself.
-
-When the history outgrows the context window, the oldest turns are dropped; the system prompt stays.
+"""A conversation -> the prompt tokens and stop strings for its next reply: `template` (the chat
+template, for chat-tuned models) or `transcript` ("User: ... Assistant:", for base models such as the
+default Gemma 3 270M, which loops on its template). The oldest turns go first when the context is full.
 """
 
 from __future__ import annotations

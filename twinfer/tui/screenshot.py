@@ -1,10 +1,5 @@
-"""Regenerate the README screenshot: a real conversation with the default model, saved as SVG.
-
-    python -m twinfer.tui.screenshot docs/tui.svg
-
-Uses a fixed seed and one thread so the replies are repeatable on one machine; conversations go to
-a temporary folder, never the user's data dir.
-"""
+"""Regenerate the README screenshot (`python -m twinfer.tui.screenshot docs/tui.svg`): a real
+conversation with the default model, fixed seed, one thread, in a temporary data dir."""
 
 from __future__ import annotations
 

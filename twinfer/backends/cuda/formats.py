@@ -1,13 +1,6 @@
-"""Native formats only on the datacenter target: what each GPU generation multiplies directly.
-
-Blackwell (sm_100+) runs NVFP4 and MXFP4 through block-scaled tensor-core GEMMs, Hopper and Ada
-(sm_89/sm_90) run FP8 through `torch._scaled_mm`, and everything else runs BF16. A format whose GEMM
-would need a dequantization loop (GGUF k-quants, int4, TurboQuant codebooks) costs kernel time the
-hardware does not need, so `check_format` refuses it with the reason and the native choice.
-
-`Fp8Linear` is the FP8 weight: E4M3 codes with one scale per output channel; activations are
-quantized per row on the fly. On a capable GPU it calls `torch._scaled_mm`; elsewhere (CPU, tests)
-the same arithmetic runs in float32, which is also the reference the GPU path is tested against.
+"""Native formats only on the datacenter target: what each GPU generation multiplies directly
+(Blackwell NVFP4/MXFP4, Hopper and Ada FP8, else BF16); `check_format` refuses the rest with the reason.
+`Fp8Linear` runs `torch._scaled_mm` on a capable GPU and the same arithmetic in float32 elsewhere.
 """
 
 from __future__ import annotations

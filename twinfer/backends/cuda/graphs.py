@@ -1,13 +1,8 @@
 """CUDA graphs for pure-decode steps at batch-size buckets (1, 2, 4, ... up to `max_graph_batch`).
 
-A decode step launches hundreds of small kernels whose launch cost, not HBM bandwidth, sets its
-time at small batches. `TorchRunner` captures one graph per bucket the first time a decode step of
-that size arrives and replays it afterwards: the step's real sequences are padded to the bucket with
-rows that write their K/V to a scratch block the engine never hands out and whose logits are
-dropped. Prefill, mixed steps, steps larger than the biggest bucket, CPUs, TurboQuant KV caches and
-the plain-torch kernels (whose MoE dispatch reads counts back from the device) run eagerly.
-
-The padding itself runs anywhere (`step_padded`), so CPU tests check that padding changes nothing.
+One graph per bucket is captured on first use and replayed; real rows are padded to the bucket with rows
+that write a scratch block and whose logits are dropped. Prefill, mixed or oversized steps, CPUs,
+TurboQuant KV and the plain-torch kernels run eagerly; `step_padded` lets CPU tests check the padding.
 """
 
 from __future__ import annotations

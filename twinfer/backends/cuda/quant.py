@@ -1,21 +1,8 @@
 """Quantized weights and the TurboQuant KV cache over torch.
 
-Weights (`torch_weight`): affine int8/int4 keep their codes, scales and biases and dequantize inside
-each matmul; TurboQuant weights keep codes per channel set and run `y = sum_s (x_s R_s^T) .
-(centroids[codes] * scale)`: rotate the activation blocks, then multiply by the codebook-decoded
-rotated weight. Formats with no CPU/torch kernel here (fp8, nvfp4, mxfp4) are dequantized once at
-load on the local target; on the datacenter target (`packed=True`, a GPU plan) they stay in their
-bytes (`TorchPackedLinear`, `TorchPackedExperts`) and dequantize on the fly per matmul where no
-native kernel runs them.
-
-KV (`TorchTQKV`): per layer, each new key/value head vector is split into its channel sets, rotated,
-normalized and coded by the Lloyd-Max boundaries; bit-packed codes (`TorchCodePacking`, the layout of
-formats/bitpack.py: two 4-bit codes a byte, eight 3-bit codes in three bytes) and float16 norms are what
-the cache holds, and QJL signs take one bit each. Codes are packed as they are written and unpacked
-from the gathered slots inside attention. Attention never decodes back to the original basis: queries
-are rotated once per step (and sketched by `S` for QJL keys), scores are taken against
-`centroids[codes] * norm / sqrt(D)`, and the probability-weighted value sum is formed in the rotated
-domain and rotated back once per query.
+Affine and TurboQuant weights dequantize inside each matmul; fp8/nvfp4/mxfp4 dequantize once at load
+locally, or stay packed on a GPU plan (`TorchPackedLinear`, `TorchPackedExperts`). `TorchTQKV` stores
+bit-packed codes and float16 norms and attends in the rotated domain (docs/quantization.md, "Layouts").
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Sliding-window layers whose KV is bounded by the window (gpt-oss, Gemma 3) on torch.
-
-`WindowedTorchOps` gives each sliding layer a cache of `window_blocks` blocks instead of one slot per
-position of the whole pool, addressed through `runtime.kv.window.WindowBlocks` tables: the step's
-key gather keeps its [B, L] shape (dropped positions read the null block, which the window mask
-hides), so masks, sinks and the attention math are the full-length path's. `WindowedTorchRunner`
-keeps the tables in step with the engine: a chunk's table before it runs, a sequence's blocks freed
-when it finishes, is preempted or dropped (its KVSync), or is released.
-"""
+"""Sliding-window layers whose KV is bounded by the window (gpt-oss, Gemma 3) on torch: each sliding
+layer caches `window_blocks` blocks through `runtime.kv.window` tables (dropped positions read the null
+block), and `WindowedTorchRunner` keeps the tables in step with the engine."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A reusable `llama_batch` with numpy views on its arrays, and the plan that splits a step into them.
-
-A StepBatch may hold more tokens than one `llama_decode` accepts (`n_batch`); `plan_windows` cuts the
-flat token stream into windows of at most `capacity` tokens, splitting chunks where needed, so that
-logit rows still come out in batch order.
-"""
+"""A reusable `llama_batch` with numpy views on its arrays; `plan_windows` cuts a step into calls of at
+most `capacity` tokens, splitting chunks where needed, logit rows still in batch order."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""Intel AMX in llama.cpp's CPU backend: find out once whether its tile kernels run here, and keep them out
+"""Intel AMX in llama.cpp's CPU backend: find out once whether its tile kernels run, and keep them out
 when they do not.
 
-A llama.cpp built on a CPU with AMX (Sapphire Rapids and later: `pip install llama-cpp-python` compiles
-with `-march=native`) puts Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS weights in its AMX buffer and multiplies
-batches of two or more rows with tile instructions. In some builds the first prompt then crashes the
-process (SIGILL or SIGSEGV in `tinygemm_kernel_amx`, whose tile configuration was never loaded), with no
-message: `llama-bench` and `llama-server` from the same source crash the
-same way. Whether a given build does is found out by running it: `amx_verdict` decodes one batch of a
-tiny generated model (0.85 MB) in a child process, once per llama.cpp library and CPU, and caches the answer under
-`$TWINFER_CACHE`. When the kernels crash, `deny_amx` makes this process's request for AMX tile state
-(`arch_prctl(ARCH_REQ_XCOMP_PERM)`) fail with EPERM through a seccomp filter, so ggml reports "AMX is not
-ready to be used!" and places those weights in its repacked AVX-512 layout instead, as on a CPU without
-AMX. `TWINFER_LLAMACPP_AMX=on` skips the check, `=off` denies AMX without it.
+`amx_verdict` decodes a tiny generated model in a child process once per library and CPU (cached);
+where it crashes, `deny_amx` makes the AMX permission request fail through a seccomp filter, so ggml
+uses its AVX-512 layout. `TWINFER_LLAMACPP_AMX=on|off` skips the check (docs/architecture.md, "The
+runner contract").
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Weights on 2 MiB pages: llama.cpp's model buffers backed by transparent huge pages (Linux).
 
-A CPU decode step reads every weight once. On 4 KiB pages that walk needs a new TLB entry every 4 KiB,
-and llama.cpp asks for nothing better: it maps the GGUF (page-cache pages) or reads it into buffers
-from `malloc`, and under the kernel's usual THP mode, `madvise`, neither gets a huge page. Measured
-with llama.cpp's own `llama-bench` tg128 (Gemma 3 270M Q4_K_M, 2-core EPYC Zen 4, medians of eight
-rotating rounds, docs/data/hugepages-ab-epyc.json): mapped 75.5 tok/s, read into anonymous memory 74.0,
-the same on huge pages (glibc's `hugetlb` tunable) 83.7.
-
-twinfer has llama.cpp read the weights into its buffers (load mode "none") and marks the address
-ranges that appeared since the load began `MADV_HUGEPAGE` at llama.cpp's first progress callback:
-the buffers then exist but hold nothing yet, so reading the file into them faults in 2 MiB pages. A
-2 MiB chunk touched before that (an allocator's header page) is folded afterwards (`MADV_COLLAPSE`,
-Linux 6.1+), as is the KV cache once the context exists (llama.cpp clears it, so it is all in memory);
-only chunks whose every page is in memory (`mincore`) are folded, since folding one with holes would
-fill them. Anonymous memory cannot be dropped and re-read the way mapped file pages can, and
-processes do not share it, so `wanted` keeps the mapping for a model over half the available memory.
+llama.cpp reads the weights into its buffers (load mode "none"); the ranges mapped since the load began
+are marked `MADV_HUGEPAGE` at its first progress callback, before any byte is read, and chunks touched
+earlier (and the KV cache) are folded with `MADV_COLLAPSE` when wholly in memory. `wanted` keeps a model
+over half the available memory mapped (docs/architecture.md, "The runner contract"; figures:
+docs/benchmarks.md, "Weights on huge pages").
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""The llama.cpp runner's KV for a KV connector: a sequence's cells as llama.cpp serializes them.
-
-`llama_state_seq_get_data` writes every cache layer's K and V of the sequence (plus its cells'
-positions), so the payload is one "layer"; `llama_state_seq_set_data` puts it into a free slot.
-
-`parse_seq_state` splits that blob into its K/V rows and the rest, following the writer
-(`llama_context::state_seq_get_data`, `llama_kv_cache::state_write` with `state_write_meta` and
-`state_write_data` in llama.cpp's src/llama-kv-cache.cpp):
-
-    u32 magic, i32 seq_id
-    per KV cache (one; a sliding-window model's "iswa" cache writes its full then its window cache):
-      u32 n_stream; per stream: u32 cell_count, and when cells:
-        per cell: i32 pos, u32 n_seq_id, [12-byte cell ext: M-RoPE / PLE models], i32 seq_id * n
-        u32 v_trans, u32 n_layer
-        per layer K: i32 type, u64 row_size, row_size * cell_count bytes
-        per layer V (none under MLA): i32 type, u64 row_size, rows   (v_trans: i32 type, u32 el_size,
-          u32 n_embd_v_gqa, el_size * n_embd_v_gqa * cell_count bytes)
+"""The llama.cpp runner's KV for a KV connector: a sequence's cells as llama.cpp serializes them
+(`llama_state_seq_get_data`, one "layer"); `parse_seq_state` splits that blob into its K/V rows and the
+rest, following llama.cpp's writer (the layout: docs/internals.md, "llama.cpp sequence state").
 """
 
 from __future__ import annotations

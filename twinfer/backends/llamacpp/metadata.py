@@ -1,9 +1,5 @@
-"""The ModelSpec of a model llama.cpp has loaded.
-
-twinfer's GGUF loader gives the exact spec for architectures twinfer implements; for the others
-llama.cpp can still run, `spec_from_model` builds a coarse one from llama.cpp's accessors. Unknown
-details stay at ModelSpec's defaults (all layers full attention, so KV estimates err large).
-"""
+"""The ModelSpec of a model llama.cpp has loaded: twinfer's loader's where it implements the
+architecture, else a coarse one from llama.cpp's accessors (defaults err toward larger KV)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""A plan's `Placement` applied to llama.cpp's model parameters, as llama-server applies its flags.
-
-`n_gpu_layers` (`--n-gpu-layers`) and `tensor_buft_overrides` (`-ot PATTERN=CPU`, what `--n-cpu-moe`
-adds): a NULL-terminated array of {pattern, buffer type} that llama.cpp matches against every tensor's
-name as it loads the file (std::regex_search), placing a match in that buffer. The CPU buffer type is the
-one ggml's CPU device gives, the pointer llama.cpp compares with when it lets such tensors use the
-CPU's repacked layouts. llama-cpp-python declares the field but not the struct: it is declared here.
-"""
+"""A plan's `Placement` applied to llama.cpp's model parameters, as llama-server applies its flags:
+`n_gpu_layers` and `tensor_buft_overrides` (`-ot PATTERN=CPU`, declared here since llama-cpp-python does
+not), with the CPU buffer type ggml's CPU device gives."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""How a llama.cpp runner is built: one options object, and the policy that fills it from a run mode.
-
-`LlamaCppOptions` is everything `LlamaCppRunner` reads besides the file; its limits are checked here,
-once. `options_for_mode` is the one place that turns what a caller asked for (exact or fast) into
-llama.cpp's settings, so every path that opens a runner (a plain session, a memory budget, a draft
-model, a measuring harness) gets the same ones.
-"""
+"""How a llama.cpp runner is built: `LlamaCppOptions`, checked once, and `options_for_mode`, the one
+place a run mode (exact or fast) becomes llama.cpp's settings for every path that opens a runner."""
 
 from __future__ import annotations
 

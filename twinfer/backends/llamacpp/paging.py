@@ -1,19 +1,9 @@
 """Weights mapped from the GGUF with routed experts paged under a bound: a memory budget's lossless way
 to run an MoE bigger than the budget on llama.cpp (Linux).
 
-llama.cpp maps the file (load mode "mmap", never read into anonymous memory or huge pages) and prefaults
-all of it. At batch 1 a decode step reads the dense weights and only its top-k experts per layer
-(ggml's MUL_MAT_ID skips experts no row routes to), so `ExpertPager`:
-
-- keeps the dense tensors resident: locked (`mlock`) where RLIMIT_MEMLOCK allows, else just never
-  dropped (every step touches them, so the kernel's LRU keeps them too);
-- drops the expert tensors' pages from the process right after the load (`MADV_DONTNEED`: they stay in
-  the page cache, which the kernel reclaims under pressure, and fault back in when routed to);
-- after each step, when the process's mapped file pages have grown by more than `bound` bytes since
-  then (`RssFile` in /proc/self/status, a cheap read), drops the expert pages again.
-
-So the process holds at most the dense weights plus `bound` bytes of experts plus what one step
-touches; anonymous memory (KV cache, compute buffers) is the runner's as always.
+`ExpertPager` keeps dense tensors resident (locked where allowed), drops expert pages after the load and
+again whenever the process's file pages grew past `bound` (`MADV_DONTNEED`; the page cache keeps them):
+the process holds the dense weights plus at most `bound` of experts plus one step's touch.
 """
 
 from __future__ import annotations

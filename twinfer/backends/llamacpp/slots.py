@@ -1,12 +1,6 @@
-"""How llama.cpp's per-sequence KV follows the engine's block accounting (`KVSync` for `LlamaCppRunner`).
-
-llama.cpp stores KV per sequence slot, not in the engine's blocks: a block's KV exists only while a
-slot that computed (or copied) it holds it. So this keeps, per cached block, the sequence whose slot
-holds it (`owner`); a new request reuses a cached prefix only if some live or kept sequence holds
-all of it, and gets it by `copy_prefix` (llama.cpp shares the cells). A finished sequence keeps its
-leading cached blocks in its slot (`retained`) until the slot or the cells are needed, and a kept
-sequence whose blocks the block manager evicts is released.
-"""
+"""How llama.cpp's per-sequence KV follows the engine's block accounting (`KVSync` for `LlamaCppRunner`):
+a cached block is reusable only while some live or kept sequence's slot holds it (docs/architecture.md,
+"The runner contract")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The MLX runner's KV for a KV connector: each layer's K and V at a sequence's positions, as bytes.
-
-The payload layout of `runtime.kv.connector.PagedKVPort`, as the torch port's. MLX arrays are
-immutable: a load scatters into a new cache array that replaces the layer's, evaluated at once so the
-next step reads it.
-"""
+"""The MLX runner's KV for a KV connector, in `PagedKVPort`'s payload layout; a load builds a new cache
+array (MLX arrays are immutable), evaluated at once."""
 
 from __future__ import annotations
 

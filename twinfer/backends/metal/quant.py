@@ -1,12 +1,6 @@
-"""Quantized weights and the TurboQuant KV cache over MLX (the torch backend's scheme, MLX ops).
-
-Affine int8/int4 weights go to `mx.quantized_matmul` unchanged (`quant/affine.py` writes MLX's
-layout, bit-identical to `mx.quantize`). TurboQuant weights rotate activation blocks and multiply
-by the codebook-decoded rotated weight; fp8/nvfp4/mxfp4 are dequantized once at load. The KV cache
-stores bit-packed codes (formats/bitpack.py's layout, as the torch cache) and float16 norms per channel
-set, QJL signs one bit each, and attends in the rotated domain (see backends/cuda/quant.py for the
-derivation); MLX arrays are immutable, so a write builds new arrays.
-"""
+"""Quantized weights and the TurboQuant KV cache over MLX (the torch backend's scheme, MLX ops): affine
+to `mx.quantized_matmul` unchanged, TurboQuant rotated, fp8/nvfp4/mxfp4 dequantized at load; the KV cache
+as backends/cuda/quant.py's, built anew on each write."""
 
 from __future__ import annotations
 

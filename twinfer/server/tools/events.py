@@ -1,9 +1,5 @@
-"""What an output parser makes of generated text: content, reasoning and tool calls.
-
-Parsers are fed the decoded text of a request as it streams (`feed`, any split, tags may straddle
-deltas) and told when it ends (`finish`); each call returns the `Delta` that is now certain. Text a
-parser cannot yet classify (a possible tag start) is held back until the next call decides it.
-"""
+"""What an output parser makes of generated text: content, reasoning and tool calls. Parsers are fed
+text as it streams (`feed`) and told when it ends (`finish`); each returns the `Delta` now certain."""
 
 from __future__ import annotations
 

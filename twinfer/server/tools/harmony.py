@@ -1,11 +1,5 @@
-"""gpt-oss's harmony format: the reply is a run of messages, each `<|channel|>NAME ... <|message|>BODY`
-ended by `<|end|>`, `<|call|>` or `<|return|>` (the last two are end-of-generation tokens the engine
-drops), with `<|start|>assistant` between messages.
-
-The `analysis` channel is reasoning, `final` (and `commentary` without a recipient) is content, and a
-message addressed `to=functions.NAME` is a call whose body is its JSON arguments. The parser reads the
-text decoded *with* control tokens (`wants_special_tokens`), since without them the channels vanish.
-"""
+"""gpt-oss's harmony format: `analysis` is reasoning, `final` content, a message `to=functions.NAME` a
+call; the parser reads text decoded with control tokens (`wants_special_tokens`)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Tool-call output parsers, one per template family, all streaming (see events.py).
-
-- `hermes` (Hermes, Qwen 2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
-  anywhere in the text;
-- `llama3` (Llama 3.1+): the reply is `{"name": ..., "parameters": {...}}` (optionally after
-  `<|python_tag|>`; several calls separated by `;`);
-- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`;
-- `harmony` (gpt-oss): channels and `to=functions.NAME` recipients, see harmony.py;
-- `generic` (templates without tool support, see docs/api.md): the reply is
-  `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
-A call that does not parse, or names no known function, comes back as content and is counted in
-`Delta.failures`. A reply cut short (`max_tokens`, or a call repeated word for word: `done`) keeps the
-calls that are complete.
+"""Tool-call output parsers, one per template family (hermes, llama3, mistral, harmony, generic), all
+streaming. A call that does not parse comes back as content, counted in `Delta.failures`; a cut reply
+keeps its complete calls (docs/internals.md, "Tool calls").
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""How one chat request's tools are served: template or generic form, parser, and grammar.
-
-`plan_tools` reads `tools`, `tool_choice` and `parallel_tool_calls`, picks the output family from
-the chat template (`families.family_of`) and returns a `ToolPlan`:
-- `template_tools`: what the template gets as `tools=` (Hugging Face's convention), or None when
-  the generic form is used, in which case `rewrite` puts the tool list and the call format into
-  the system message and turns assistant `tool_calls` and `tool` messages into plain turns;
-- `constraint`: for tool_choice "required" or a named function, a grammar that admits only calls
-  (of that function) whose arguments match its JSON schema; for "auto" (Hermes and generic forms),
-  a grammar that leaves text free until the model opens a call, then holds it to the schema;
-- for a template that thinks (`<think>`), every constraint starts after the reasoning;
-- `parser()`: a fresh output parser for each choice (tool calls, and `<think>` reasoning when the
-  template thinks).
+"""How one chat request's tools are served: `plan_tools` returns a `ToolPlan` (template tools or the
+generic form, a constraint for `tool_choice`, a fresh parser per choice) (docs/internals.md, "Tool calls").
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""`<think>...</think>` reasoning split off the reply (DeepSeek-R1, Qwen 3 and their kin).
-
-The reasoning streams as `Delta.reasoning`; what follows `</think>` goes to the inner parser
-(content and tool calls); `after_thinking` lets a constraint start where the reasoning ends.
-Templates that open the think block themselves (the prompt ends in
-`<think>`) start inside it: `started=True`.
-"""
+"""`<think>...</think>` reasoning split off the reply (DeepSeek-R1, Qwen 3 and kin): it streams as
+`Delta.reasoning`, the rest goes to the inner parser; `started=True` when the prompt opened the block."""
 
 from __future__ import annotations
 

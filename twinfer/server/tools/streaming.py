@@ -1,17 +1,6 @@
-"""Tool-call arguments streamed as they are generated (as vLLM and OpenAI stream them): once a call's
-name and the `{` of its arguments are out, the call's id and name go first, then each new piece of
-its argument text; when the call completes, its `arguments` are exactly the pieces joined.
-
-`CallStreams` keeps one choice's calls; a parser hands it the text of a call region as it grows
-(`show`: a Hermes block, a whole generic/Llama 3/Mistral reply, a harmony message body) and, when the
-parser has decided a region's calls, lets it number them and match them to what was streamed
-(`settle`). A call the parser then finds malformed has already been sent in part; it also comes back
-as content and is counted, as before.
-
-A call that repeats an earlier call of the reply word for word (same name, same argument text) ends
-the reply's calls (`repeated`): small models given room for several calls write the same one until
-`max_tokens`. Such a call is never streamed: a later call whose text so far could still become a
-repetition is held back until it differs.
+"""Tool-call arguments streamed as they are generated (as vLLM and OpenAI stream them): id and name
+first, then argument pieces that join to the final `arguments`. A call repeating an earlier one word for
+word ends the reply's calls and is never streamed (docs/internals.md, "Tool calls").
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Triton kernels for the torch backend on NVIDIA GPUs, each next to its plain-torch reference.
+"""Triton kernels for the torch backend on NVIDIA GPUs, each next to its plain-torch reference (`reference.py`).
 
-`reference.py` holds the references (and runs anywhere); the kernel modules import triton, so import
-them only where triton is installed. Tests run the kernels on CPU with TRITON_INTERPRET=1, which
-triton reads when a kernel is decorated: set it before importing these modules.
-
-`TorchOps` picks its kernels with `select_kernels`: "auto" (the default) uses triton on a CUDA device
-where triton imports and plain torch elsewhere; "triton" forces the kernels (on CPU only under
-TRITON_INTERPRET=1: how the tests run a whole model through them); "torch" turns them off. The
-environment variable TWINFER_KERNELS overrides "auto".
+`select_kernels`: "auto" (triton on CUDA where it imports, else torch), "triton" (on CPU only under
+TRITON_INTERPRET=1, set before importing these modules), "torch"; TWINFER_KERNELS overrides "auto".
 """
 
 from __future__ import annotations

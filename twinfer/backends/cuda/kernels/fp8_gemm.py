@@ -1,16 +1,8 @@
 """FP8-weight products for the few rows of a decode step: y = x @ (codes * scale).T, split over K.
 
-At a handful of rows a projection is a pass over its weight, so what counts is reading the E4M3
-codes at the card's bandwidth. `torch._scaled_mm` first quantizes the activations (a reduction and
-four elementwise launches per projection) and then runs a GEMM tiled for many rows: on an H200 an
-8B model's FP8 decode step at batch 1 took longer than its BF16 step. Here each program loads a
-BLOCK_K x BLOCK_N tile of codes, widens it to the activations' dtype in registers, and multiplies
-it with the rows on the tensor cores; the per-channel scale is applied once at the end. The
-activations stay in 16 bits, which is closer to the unquantized product than FP8 activations.
-
-K is split over programs when the output alone gives too few of them (the 1,024-row K/V
-projections of a GQA model), each split writing float32 partial sums that one reduction adds, so
-the result does not depend on the order the programs ran (no atomics).
+Each program widens a tile of E4M3 codes to the activations' dtype in registers (activations stay in 16
+bits) and applies the per-channel scale at the end; K splits write float32 partial sums that one
+reduction adds, so the result is order-independent (docs/benchmarks.md, "GPU: one H200").
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Process groups without global state: each group is a torch.distributed ProcessGroup object.
-
-`torch.distributed.init_process_group` installs one default group per process, which would stop two
-engines living in one process. We build gloo (CPU) or NCCL (CUDA) groups straight from a TCPStore
-instead, one per set of ranks that talk (a stage's tensor ranks, a whole stage, the world), and
-call their collectives directly. A group of one rank does nothing.
-"""
+"""Process groups without global state: gloo or NCCL groups built straight from a TCPStore, one per set
+of ranks that talk, so two engines can live in one process. A group of one rank does nothing."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Where each rank sits: a grid of `pp` pipeline stages, each `ep` expert groups of `tp` tensor ranks.
-
-rank = (stage * ep + expert_group) * tp + tp_rank. Rank 0 (stage 0, group 0, tp rank 0) runs the
-engine. Inside a stage, attention and dense MLPs are tensor-parallel over the `tp` ranks of one
-expert group (the `ep` groups compute the same attention); MoE layers shard experts over the `ep`
-groups and each expert's intermediate dimension over `tp`, and combine over the whole stage.
-"""
+"""Where each rank sits: a grid of `pp` pipeline stages, each `ep` expert groups of `tp` tensor ranks;
+rank = (stage * ep + expert_group) * tp + tp_rank, and rank 0 runs the engine (docs/parallelism.md)."""
 
 from __future__ import annotations
 

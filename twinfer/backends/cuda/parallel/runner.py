@@ -1,11 +1,6 @@
 """Run a model over several processes: `DistributedRunner` on rank 0, `serve_steps` on the others.
-
-Inside a node, `launch` starts ranks 1..N-1 with torch.multiprocessing (spawn), rendezvous on a free
-TCP port, gloo on CPU and NCCL on GPUs. Across nodes, `torchrun` starts every rank and
-`from_torchrun` connects them (see docs/parallelism.md). The engine and its scheduler stay on rank
-0: each step, rank 0 broadcasts the StepBatch as int64 tensors (parallel/wire.py) and every rank
-runs its stage of the same forward pass.
-"""
+`launch` spawns ranks inside a node, `from_torchrun` connects torchrun's ranks (docs/parallelism.md);
+each step rank 0 broadcasts the StepBatch as int64 tensors."""
 
 from __future__ import annotations
 

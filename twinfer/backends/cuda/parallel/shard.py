@@ -1,22 +1,7 @@
 """Sharding as a transform of a built model's weights: which part of each weight one rank reads.
 
-Rules (Megatron-style): Q/K/V and the MLP's gate/up are column-parallel (split by output rows, by
-whole heads for attention); O and down are row-parallel (split by input columns, summed across the
-tensor group afterwards); the embedding and lm_head are vocab-parallel; experts are split across
-expert groups, each expert's width across tensor ranks; norms and the router are replicated. A
-pipeline stage keeps only its own layers (the embedding on the first stage, norm and lm_head on
-the last). Fewer KV heads than tensor ranks are replicated, so every rank holds the KV head its
-query heads read. A QK norm over the whole projection (MiniMax-M2) splits with its heads, and its
-mean square is summed across the tensor group (`NORM`). Multi-head latent attention splits its heads (`q`/`q_b`, the absorbed `kv_b_k`,
-`kv_b_v`) and replicates the latent: every rank caches the whole latent its heads attend over.
-Shared experts split like the dense MLP; attention sinks by head; expert biases with their experts.
-Gemma 4's global layers split by their own head size and KV heads; its per-layer embeddings, value
-norm, router scales and block scalars are replicated. A gated delta net (Qwen3-Next, Qwen3.5) splits
-like attention, by whole key heads with their value heads; each rank keeps its heads' recurrent state.
-
-`shard_request` is the one place these rules live. A rank reads exactly the box it names from the
-model file (`WeightSet.load_region`: a slice of the file, not the full tensor) and never opens the
-weights of other stages.
+Megatron-style rules per architecture (docs/parallelism.md); `shard_request` is the one place they live.
+A rank reads exactly its box from the file (`WeightSet.load_region`) and never opens other stages' weights.
 """
 
 from __future__ import annotations
