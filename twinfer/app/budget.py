@@ -49,11 +49,8 @@ class LocalStrategy:
     expected_kl: float | None = None
 
     def runner_options(self, base: RunnerOptions) -> RunnerOptions:
-        """`base` (what every path fills in: sequences, context, threads, mode) with this strategy's choices.
-
-        The plan sized one KV cache of `ctx` tokens that all sequences share; a batch-invariant mode still
-        gets a stream per sequence from the backend's policy, which exact batching needs.
-        """
+        """`base` with this strategy's choices; the plan's one shared KV cache of `ctx` tokens, except that a
+        batch-invariant mode still gets its per-sequence streams."""
         return replace(base, backend=self.backend, kv_type=self.kv_type, dtype=self.dtype,
                        expert_cache_bytes=self.expert_cache_bytes, placement=self.placement, kv_layout="unified")
 

@@ -41,11 +41,8 @@ class OpenedModel:
 
     @property
     def instruct(self) -> bool:
-        """Whether the model was tuned to chat (its name says -it/instruct/chat) and has a template.
-
-        Base models (the embedded Gemma 3 270M is one) continue text; wrapping their prompt in a
-        chat template makes them worse, so front ends send them raw text by default.
-        """
+        """Whether the model was tuned to chat (its name says -it/instruct/chat) and has a template; base
+        models get raw text by default, since a chat template makes them worse."""
         meta = self.loaded.metadata if self.loaded else {}
         names = " ".join(str(meta.get(k, "")) for k in ("general.name", "general.finetune", "_name_or_path"))
         names = f"{names} {self.path.name}".lower()
@@ -223,14 +220,9 @@ def check_kv_layout(kv_layout: str, model: str | None, backend: str, memory_budg
 
 def streams_fit(kv_bytes_per_token: float, max_seqs: int, ctx: int, memory_bytes: float) -> bool:
     """Whether `--kv-layout auto` gives llama.cpp a KV stream of `ctx` cells per sequence (llama-server's
-    layout with -np) rather than one cache of `ctx` cells all sequences share.
-
-    Streams cost `max_seqs` times the memory, and they are faster: in a shared cache every row's flash
-    attention walks the cells of all sequences, and llama.cpp cuts a step into ubatches without
-    regard to them (docs/benchmarks.md: over HTTP, 16 streams served a median 1.07x the tokens a second
-    of one shared cache, in six rounds). So streams whenever all of them fit in `STREAMS_MEMORY_SHARE` of the machine's memory:
-    Gemma 3 270M at 16 x 4,096 tokens needs 1.2 GB, taken on a 16 GB laptop, not on an 8 GB one.
-    """
+    `-np` layout) rather than one shared cache: streams are faster but cost `max_seqs` times the memory,
+    so they are taken when all fit in `STREAMS_MEMORY_SHARE` of the machine's memory (docs/architecture.md,
+    "The runner contract")."""
     return max_seqs > 1 and max_seqs * ctx * kv_bytes_per_token <= STREAMS_MEMORY_SHARE * memory_bytes
 
 

@@ -97,11 +97,8 @@ class Session:
 
 
 def open_session(options: OpenOptions) -> Session:
-    """Resolve, plan under the budget, transform, open the runner and add the proposer.
-
-    Every face reaches a runner through here (torchrun workers too: their rank serves steps inside
-    `open_runner` and exits); a budget's strategy only fills in the same `RunnerOptions` a plain open uses.
-    """
+    """Resolve, plan under the budget, transform, open the runner and add the proposer: every face (and
+    every torchrun worker) reaches a runner through here."""
     o = options
     path = resolve_path(o.model)
     backend = choose_backend(o.backend, path)

@@ -12,11 +12,8 @@ _PROBE = "def main(argv):\n    return {'key': [1, 2.5]}  # The quick brown fox."
 
 def open_proposer(value: str, target: OpenedModel, *, max_seqs: int, ctx: int | None = None,
                   threads: int | None = None) -> Proposer | None:
-    """The proposer `--speculate value` asks for over `target`; None for off.
-
-    A draft model opens on the target's backend with room for as many sequences and tokens, and
-    must share its tokenizer.
-    """
+    """The proposer `--speculate value` asks for over `target` (None: off); a draft model opens on the
+    target's backend, sized alike, and must share its tokenizer."""
     from twinfer.runtime.speculative.draft_model import DraftModelProposer, SelfDraftProposer
     from twinfer.runtime.speculative.ngram import NgramProposer
 

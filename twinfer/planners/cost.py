@@ -78,9 +78,8 @@ def kv_native(device: Device, kv: KVFormat) -> bool:
 
 
 def _compute_peak(dev: Device, dtype: str) -> float:
-    """FLOP/s the matmuls of weights in format `dtype` run at. A CPU multiplies integer-quantized weights
-    (GGUF blocks, int4/int8) against 8-bit activations with its int8 dot-product instructions, and
-    everything else in f32 FMAs; a GPU uses its tensor peak for a native format, else the activations'."""
+    """FLOP/s the matmuls of weights in `dtype` run at: a CPU's int8 dot products for integer formats, f32
+    FMAs otherwise; a GPU's tensor peak for a native format, else the activations'."""
     if dev.kind == CPU:
         integer = FORMATS[dtype].family in ("gguf", "int") and "int8" in dev.natives
         return dev.tflops("int8" if integer else "f32") * 1e12
@@ -88,9 +87,8 @@ def _compute_peak(dev: Device, dtype: str) -> float:
 
 
 def _unpack_rate(dev: Device, engine: str) -> float:
-    """Ops/s of unpacking quantized weights. llama.cpp on a CPU unpacks GGUF blocks inside its integer dot
-    products, on the SIMD lanes of the int8 multiply (`vec_dot_q4_K_q8_K` and kin), so that work runs at
-    the int8 rate; elsewhere a loop expands the weights at the f32 vector rate."""
+    """Ops/s of unpacking quantized weights: the int8 rate for llama.cpp on a CPU (it unpacks inside its
+    integer dot products), the f32 vector rate elsewhere."""
     if dev.kind == CPU and engine == "llamacpp" and "int8" in dev.natives:
         return dev.tflops("int8") * 1e12
     return dev.vector_tflops * 1e12
@@ -118,8 +116,7 @@ def _ep_max_load(touched: float, ep: int) -> float:
 
 
 def _step_share(profile: ModelProfile, comp: str, touched: float) -> float:
-    """The share of a component's weights one decode step reads: an untied embedding table only its rows
-    (none, here), routed experts the `touched` of each layer's E, everything else all of it."""
+    """The share of a component's weights one decode step reads (routed experts: `touched` of E)."""
     if comp == "embed":
         return 1.0 if profile.tied else 0.0
     if comp in ("experts", "experts_down") and profile.moe:
@@ -142,10 +139,9 @@ def _dequant_elems(profile: ModelProfile, device: Device, mix: Mix, touched: flo
 
 
 def _kernel_stream_s(profile: ModelProfile, dev: Device, eff: Efficiency, mix: Mix, touched: float) -> float:
-    """Seconds a CPU's matmul kernels take to stream the weights one decode step touches, one row: they
-    read a format llama.cpp repacks (`Device.repacks`) at `stream_repacked` bytes a cycle a core, the rest
-    at `stream_plain`. On a host whose DRAM outruns them (a 2-core Zen 4 VM read 27-35 GB/s while llama.cpp
-    streamed Gemma 3 270M's weights, most of them a Q8_0 head, at about 19), this, not the bandwidth, sets decode."""
+    """Seconds a CPU's matmul kernels take to stream one decode step's weights, one row: `stream_repacked`
+    bytes a cycle a core for formats llama.cpp repacks, `stream_plain` for the rest. Where DRAM outruns
+    the kernels this, not bandwidth, sets decode (docs/planner-accuracy.md, "Kernels, not DRAM")."""
     if dev.kind != CPU or not dev.cores or not eff.stream_plain:
         return 0.0
     plain = repacked = 0.0
@@ -163,8 +159,7 @@ def _kernel_stream_s(profile: ModelProfile, dev: Device, eff: Efficiency, mix: M
 
 
 def on_huge_pages(profile: ModelProfile, dev: Device, mix: Mix) -> bool:
-    """Whether the llama.cpp runner puts these weights on huge pages: where the kernel gives them, and by
-    the runner's own rule for their size (`huge_pages_fit`, backends/llamacpp/hugepages.py)."""
+    """Whether the llama.cpp runner puts these weights on huge pages (the kernel's mode, `huge_pages_fit`)."""
     return dev.kind == CPU and dev.huge_pages and huge_pages_fit(profile.weight_bytes(mix), dev.memory_gb * 1e9)
 
 
@@ -190,8 +185,7 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     streamed = experts * s.stream_fraction
     kv = mb * kv_bytes_per_seq(profile, s.kv, context) / kv_shard(profile, s)
     bw = dev.bandwidth_gbs * 1e9 * eff.bandwidth * (eff.dual_die if dev.dies > 1 else 1.0)
-    # weights stream at the slower of the memory and the kernels that read them (CPU: cores x clock), both
-    # faster on huge pages (fewer TLB misses)
+    # weights stream at the slower of memory and the kernels reading them; both faster on huge pages
     huge = eff.huge_pages if on_huge_pages(profile, dev, s.mix) else 1.0
     dram_s = (dense + experts - streamed) / bw / huge
     kernel_s = _kernel_stream_s(profile, dev, eff, s.mix, touched) / shard / huge
@@ -231,25 +225,21 @@ def decode_step(profile: ModelProfile, cluster: Cluster, s: Strategy, batch: int
     )
 
 
-# llama.cpp's CPU flash attention on a float KV cache (ggml-cpu/ops.cpp, `..._flash_attn_ext_tiled`, taken
-# from 64 query rows on) computes 64-query x 64-key tiles whole and skips only tiles the mask fills.
+# llama.cpp's CPU flash attention (ggml-cpu/ops.cpp) computes 64x64 tiles whole, skipping masked ones
 CPU_ATTENTION_TILE = 64
-# Its one-row path (a quantized cache, or fewer than 64 query rows) multiplies one K/V row at a time
-# (vec_dot, vec_mad: two loads and a store per FMA vector), at about half the tiled GEMM's FMA rate.
+# its one-row path multiplies one K/V row at a time, at about half the tiled FMA rate
 CPU_ROW_PATH_SLOWDOWN = 2.0
 
 
 def cpu_attention_s(dev: Device, eff: Efficiency, flops: float, tiled: bool) -> float:
-    """Seconds of `flops` of attention (QK^T, PV) in llama.cpp's CPU flash attention: f32 FMAs at a fitted
-    share `attention` of the f32 peak on its tiled path, at half that rate on its one-row path (decode
-    rows, a quantized cache, prompts under one tile)."""
+    """Seconds of `flops` of attention on llama.cpp's CPU flash attention: a fitted share `attention` of
+    the f32 peak when tiled, half that on the one-row path."""
     return flops / (dev.tflops("f32") * 1e12 * eff.attention) * (1.0 if tiled else CPU_ROW_PATH_SLOWDOWN)
 
 
 def attended_pairs(tokens: int, window: int | None, tile: int = 1) -> float:
-    """(query, key) pairs one head of a layer computes over a causal prompt of `tokens` tokens, each
-    query seeing the last `window` positions (None: all before it), when a kernel computes whole
-    `tile` x `tile` blocks and skips only the blocks the mask fills (tile 1: exactly the unmasked pairs)."""
+    """(query, key) pairs one head computes over a causal prompt when whole `tile` x `tile` blocks run
+    and only fully masked ones are skipped (`window`: sliding)."""
     n = math.ceil(tokens / tile)  # query tiles; query tile i needs key tiles i - m .. i
     m = math.ceil((window - 1) / tile) if window else n
     tiles = n * (n + 1) / 2 if n <= m + 1 else (m + 1) * (m + 2) / 2 + (n - m - 1) * (m + 1)
@@ -257,14 +247,8 @@ def attended_pairs(tokens: int, window: int | None, tile: int = 1) -> float:
 
 
 def prefill_attention_s(profile: ModelProfile, dev: Device, s: Strategy, tokens: int, eff: Efficiency) -> float:
-    """Seconds of QK^T and PV over one prompt, on one device of a replica.
-
-    A GPU runs them on its tensor units at the MLP's peak. A CPU does not use its int8 dot products
-    here: llama.cpp converts a float cache's K/V tiles to f32 and multiplies with f32 FMAs (a fitted
-    share `attention` of that peak), and a quantized cache (Q8_0, Q4_0) takes the one-row path, which
-    runs those FMAs at half that rate and expands every attended K and V row again for each query row
-    and head (at the vector rate, `vector`).
-    """
+    """Seconds of QK^T and PV over one prompt, on one device of a replica: a GPU's tensor peak; a CPU's
+    f32 FMAs at share `attention`, a quantized cache on the one-row path that re-expands K/V rows."""
     spec = profile.spec
     per_head = (2 * spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) if spec.mla else 2 * spec.head_dim
     quantized = s.kv.family == "gguf"

@@ -12,29 +12,18 @@ from twinfer.runtime.spec import FULL, LINEAR, SLIDING, ModelSpec, MoESpec
 
 ROUTING_LOCALITY = 0.8
 
-# Requantizing a quantized file: a tensor moved to another type adds REQUANT_KL_FACTOR times its target
-# format's table KL (a typical model's, from original weights). Fitted on llama.cpp's requantizations
-# of Gemma 3 270M Q4_K_M (docs/quantization.md): Q4_0 measured 0.447 and Q3_K_M 0.230 against unscaled
-# estimates 0.0112 and 0.0076, ratios 40 and 30, geometric mean 35; held out, IQ4_XS 0.204 (0.200
-# predicted) and Q2_K 0.554 (0.40). torch's nvfp4/mxfp4/int4 on that file's weights measure 40-65x their
-# table KL too, so the factor is mostly the small model's sensitivity: it likely overstates large models.
+# A requantized tensor adds REQUANT_KL_FACTOR times its target format's table KL (fit and held-out
+# rows: docs/quantization.md, "`--memory-budget` on the default model"); likely high for large models
 REQUANT_KL_FACTOR = 35.0
-# The token embedding and output matrix, per weight, add EMBED_KL_WEIGHT of what a projection would. A
-# tied output matrix's error reaches every logit, but once and linearly, not through every later layer;
-# fitted on Gemma 3 270M Q4_K_M with only its tied Q8_0 table requantized: Q5_0 measured 0.042 and Q4_0
-# 0.129 against unweighted estimates 0.175 and 0.657 (ratios 0.24 and 0.20, geometric mean 0.22); held
-# out, Q4_0 + table Q4_0 0.549 (0.537 predicted) and IQ4_XS + table Q5_0 0.231 (0.239).
+# Embedding and output weights add EMBED_KL_WEIGHT of a projection's KL: their error enters the logits
+# once and linearly (fit: docs/quantization.md, "The embedding is the lever")
 EMBED_KL_WEIGHT = 0.22
 
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """Everything the memory and cost models need about one model.
-
-    `params` counts weights per component over the whole model; `expert_params` is one routed
-    expert in one layer. `native` names the format mix the model is published in, `stored` the exact
-    mix of a GGUF file (None for catalog models).
-    """
+    """Everything the memory and cost models need about one model: `params` per component, one routed
+    expert's `expert_params`, the published mix (`native`) and a GGUF's exact one (`stored`)."""
 
     name: str
     spec: ModelSpec
@@ -88,12 +77,8 @@ class ModelProfile:
         return self.dense_params + head + k * self.moe_layers * self.expert_params
 
     def touched_experts(self, batch: float) -> float:
-        """Expected distinct experts per MoE layer a step of `batch` tokens reads.
-
-        Independent uniform routing would give E(1 - (1 - k/E)^B); tokens of one batch agree on
-        experts more than that, which `ROUTING_LOCALITY` models as B^0.8 independent draws
-        (fitted to llama-batched-bench runs of gpt-oss-120b and Qwen3-30B-A3B, docs/planner-accuracy.md).
-        """
+        """Expected distinct experts per MoE layer a step of `batch` tokens reads: B^ROUTING_LOCALITY
+        independent top-k draws (docs/planner-accuracy.md)."""
         if not self.moe:
             return 0.0
         e, k = self.moe.num_experts, self.moe.top_k
@@ -141,11 +126,8 @@ class ModelProfile:
         return mix is self.stored or (self.stored is None and mix.name == self.native)
 
     def mix_kl(self, mix: Mix) -> float:
-        """Expected KL of `mix` against the reference weights, weighted by each component's share.
-
-        From a file whose per-tensor types are known (`stored`), only the weights `mix` moves to another
-        type add error: llama.cpp copies a tensor whose target type is its current one unchanged.
-        """
+        """Expected KL of `mix` against the reference weights, by component share; from a `stored` file
+        only the weights `mix` retypes add error."""
         if self.is_reference(mix):
             return 0.0
         total = self.total_params or 1.0
@@ -184,11 +166,8 @@ class ModelProfile:
 
 
 def _requant_kl(source: tuple[tuple[str, float], ...], target: tuple[tuple[str, float], ...]) -> float:
-    """Expected KL per weight of one component moved from `source` formats to `target` formats.
-
-    The share a format holds in both is copied unchanged (adds nothing); the rest adds its target
-    format's KL, scaled by REQUANT_KL_FACTOR when the source was already quantized.
-    """
+    """Expected KL per weight of a component moved from `source` to `target` formats: shared shares add
+    nothing, the rest their target's KL (x REQUANT_KL_FACTOR from a quantized source)."""
     src = dict(source)
     quantized = any(FORMATS[f].bits < 16 for f in src)
     factor = REQUANT_KL_FACTOR if quantized else 1.0
@@ -287,12 +266,8 @@ def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", sou
 
 def parametric(params: float, active: float | None = None, layers: int | None = None,
                experts: int | None = None, top_k: int | None = None, name: str = "") -> ModelProfile:
-    """A model known only by its parameter counts (`--params 2.8T --active-params 60B`).
-
-    Shape assumptions, stated in the profile's notes: hidden = layers x 128 (the width/depth ratio of
-    Llama 3 and DeepSeek-V3), GQA with 8 KV heads of 128, a 160k vocabulary; for an MoE (active <
-    params), 384 routed experts with top-8 unless given (Kimi K2's layout), one shared expert.
-    """
+    """A model known only by its parameter counts (`--params 2.8T --active-params 60B`); the assumed
+    shape (Llama-3-like width, GQA 8x128, Kimi-K2-like experts) is stated in the profile's notes."""
     if params <= 0:
         raise PlanError("--params must be positive")
     active = params if active is None else active

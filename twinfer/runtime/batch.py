@@ -43,11 +43,8 @@ class SeqChunk:
 
 @dataclass
 class StepBatch:
-    """All chunks of one step. Logit rows come back in chunk order, then position order.
-
-    `exact`: the engine runs batch-invariant and built this step in the runner's `ExactShapes`; a
-    runner that needs more (padding a lone row, say) does it inside `step`.
-    """
+    """All chunks of one step; logit rows come back in chunk order, then position order. `exact`: built in
+    the runner's `ExactShapes` (batch-invariant mode); any padding is the runner's, inside `step`."""
 
     chunks: list[SeqChunk]
     exact: bool = False

@@ -24,11 +24,8 @@ def usable_cpus() -> list[int]:
 
 
 def physical_cores(cpus: list[int] | None = None, sys_cpu: Path = SYS_CPU) -> int:
-    """Distinct physical cores among `cpus` (default: the usable ones), from Linux's topology files.
-
-    Falls back on the logical count where the topology cannot be read (the safe side: a core with no
-    sibling is the common case on cloud VMs and laptops without SMT).
-    """
+    """Distinct physical cores among `cpus` (default: the usable ones), from Linux's topology files; the
+    logical count where those cannot be read."""
     cpus = usable_cpus() if cpus is None else cpus
     cores: set[tuple[str, str]] = set()
     for cpu in cpus:

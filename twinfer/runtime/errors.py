@@ -10,11 +10,8 @@ import importlib
 
 
 class TwinferError(Exception):
-    """Base class of errors caused by the user's input or environment, not by a twinfer bug.
-
-    `field` names the option or request field the error is about, when there is one: the server reports
-    it as the error's `param`, so nothing has to guess it from the message.
-    """
+    """Base class of errors caused by the user's input or environment, not by a twinfer bug; `field` names
+    the option or request field concerned (the server's `param`)."""
 
     exit_code = 2
 

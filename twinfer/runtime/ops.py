@@ -106,11 +106,8 @@ class Ops(Protocol):
         ...
 
     def indexer_topk(self, q: Array, k: Array, weights: Array, ctx: StepContext, layer: int, top_k: int) -> None:
-        """DeepSeek sparse attention's lightning indexer: store k [T, D] in layer's indexer cache (beside
-        its latents, on the same slots), then choose for each query of q [T, Hi, D] its `top_k` tokens
-        by sum_h weights[t, h] * relu(q[t, h] . k[s]) over the tokens s it sees causally (all of them
-        when it sees no more than top_k). The choice is kept for this step, for `latent_attention`'s
-        `selection=layer`."""
+        """DeepSeek sparse attention's lightning indexer: cache k [T, D] beside the latents, then keep for
+        each query its `top_k` tokens by sum_h weights * relu(q . k), for `latent_attention`'s `selection`."""
         ...
 
     def moe(
@@ -140,12 +137,9 @@ class Ops(Protocol):
         self, q: Array, k: Array, v: Array, a: Array, b: Array, decay: Array, dt_bias: Array, ctx: StepContext,
         layer: int,
     ) -> Array:
-        """The gated delta rule over each sequence's tokens with the layer's recurrent state S [Hv, Dk, Dv]
-        (float32; zeros at position 0): q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] -> [T, Hv, Dv].
-
-        In float32, per token: g = decay * softplus(a + dt_bias) and beta = sigmoid(b) per value head
-        (decay, dt_bias [Hv]); q and k L2-normalized (eps 1e-6), q scaled by Dk ** -0.5; value head h
-        reads key head h // (Hv / Hk). Then S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; out = S^T q."""
+        """The gated delta rule over each sequence's tokens with the layer's float32 state S [Hv, Dk, Dv]:
+        q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] -> [T, Hv, Dv] (the recurrence: docs/models.md,
+        "Qwen3-Next")."""
         ...
 
     def release_state(self, seq_id: int) -> None:

@@ -29,12 +29,8 @@ class MLASpec:
 
 @dataclass(frozen=True)
 class LinearAttnSpec:
-    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): a short causal depthwise convolution over the
-    projected q/k/v, then the gated delta rule, whose state per sequence is a [Hv, Dk, Dv] matrix.
-
-    A sequence's state (conv + delta, per linear layer) has a fixed size however long it grows, and
-    only moves forward: it cannot be cut back to an earlier position or shared by prefix.
-    """
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): a causal depthwise conv, then the gated delta rule; the
+    per-sequence state has a fixed size and only moves forward."""
 
     num_k_heads: int
     num_v_heads: int
@@ -68,13 +64,8 @@ class LinearAttnSpec:
 
 @dataclass(frozen=True)
 class DSASpec:
-    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over MLA: a lightning indexer of `n_heads`
-    heads of `head_dim` scores each query's visible tokens, and attention reads only the `top_k` best.
-
-    Every layer that runs an indexer caches its key (`head_dim` numbers per token) beside the latent.
-    `indexers` marks those layers (empty: all); a layer without one reuses the selection of the last
-    layer before it that has one (GLM-5's shared layers).
-    """
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over MLA: an indexer scores visible tokens and
+    attention reads the `top_k` best; layers outside `indexers` reuse the last indexer's choice."""
 
     n_heads: int
     head_dim: int
@@ -99,14 +90,9 @@ SIGMOID = "sigmoid"
 
 @dataclass(frozen=True)
 class MoESpec:
-    """Mixture-of-experts feed-forward: `num_experts` routed experts, `top_k` per token.
-
-    Routing: `scoring` turns router logits into scores ("softmax" over all experts, or "sigmoid" per
-    expert as DeepSeek-V3 and GLM-4.5 do). Sigmoid routers choose with the scores plus a learned
-    per-expert bias (`score_bias`), first keeping the `topk_group` best of `n_group` expert groups
-    (a group scores the sum of its best two), then the top k; the chosen scores are renormalized
-    when `norm_topk_prob` and multiplied by `routed_scaling_factor`.
-    """
+    """Mixture-of-experts feed-forward: `num_experts` routed experts, `top_k` per token. `scoring` is
+    "softmax" or "sigmoid" (with `score_bias` and group-limited top-k); chosen scores are renormalized
+    when `norm_topk_prob` and scaled by `routed_scaling_factor`."""
 
     num_experts: int
     top_k: int
@@ -140,11 +126,8 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One decoder-only transformer, described by the numbers every consumer needs.
-
-    `model_type` is the Hugging Face name of the architecture (`gemma3`, `llama`, `qwen3_moe`...):
-    it picks the model file in `twinfer/runtime/models/`.
-    """
+    """One decoder-only transformer, described by the numbers every consumer needs; `model_type` (the
+    Hugging Face name) picks the model file in `twinfer/runtime/models/`."""
 
     model_type: str
     vocab_size: int
@@ -287,13 +270,8 @@ class ModelSpec:
         return dict(self.rope_scaling)
 
     def kv_bytes_per_token(self, bytes_per_element: float = 2.0, context: int | None = None) -> float:
-        """KV-cache bytes per token of context, averaged over `context` tokens for sliding layers.
-
-        MLA caches one latent of `kv_lora_rank + qk_rope_head_dim` per layer, shared by all heads.
-        A sliding layer caches at most `sliding_window` tokens, so per token of a long context it
-        costs `min(1, window / context)` of a full layer. A layer that reads an earlier layer's cache
-        (`kv_shared_layers`) costs nothing; FULL layers count their own head size and KV heads.
-        """
+        """KV-cache bytes per token of context, averaged over `context` for sliding layers: MLA's latent,
+        windowed layers at `min(1, window / context)`, shared-KV layers free, FULL layers by their heads."""
         total = 0.0
         for layer in range(self.num_layers):
             if not self.owns_kv(layer):

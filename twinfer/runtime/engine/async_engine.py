@@ -63,8 +63,7 @@ class EngineStats:
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, RequestOutput]],
              handed: threading.Event, passes: int = 3) -> None:
-    """On the callers' loop: queue each output, then set `handed` after `passes` more turns of the
-    loop, by which time the woken handlers have formatted and written what they got."""
+    """On the callers' loop: queue each output, then set `handed` after `passes` more loop turns."""
     if items:
         for stream, out in items:
             stream.queue.put_nowait(out)
@@ -153,15 +152,10 @@ class RequestStream(AsyncIterator[RequestOutput]):
 class AsyncEngine:
     """Runs `engine` on one background thread; asyncio callers submit, stream and abort requests.
 
-    `max_queue`: requests allowed to wait beyond the ones the engine runs at once; past that
-    `generate` raises `Overloaded`. `gather_s`: when a request arrives at an idle engine, the thread
-    keeps taking requests while they arrive less than this far apart (at most `GATHER_SPANS` times it
-    in all, or until `max_seqs` are in), so a burst prefills in one step instead of its first request
-    alone while the rest queue behind that step; 0 starts at once; None sizes it to the host: a tenth
-    of what one request's start cost the last time the engine started from idle (the step's time over
-    the requests it took: what starting alone makes the next arrivals wait; measured at about 30 ms for a
-    100-token prompt on a 2-core CPU, and proportionally less wherever a start is faster), at most 50 ms. Methods are called from one event
-    loop (the counters are not locked); `abort` may be called from any thread.
+    `max_queue`: requests allowed to wait beyond those running; past it `generate` raises `Overloaded`.
+    `gather_s`: an idle engine keeps taking a burst's requests while they arrive less than this apart,
+    so the burst prefills in one step (0: start at once; None: a tenth of the last idle start's cost per
+    request, at most 50 ms). Methods run on one event loop; `abort` may be called from any thread.
     """
 
     GATHER_SPANS = 4
@@ -203,8 +197,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self, drain: bool = True, grace_s: float = 30.0) -> None:
-        """Refuse new requests; with `drain`, let running ones finish for up to `grace_s` seconds,
-        then abort what is left (its last output says finish_reason "abort"); stop the thread."""
+        """Refuse new requests; with `drain`, let running ones finish for up to `grace_s`, then abort."""
         self._accepting = False
         if drain:
             await self.wait_idle(grace_s)
@@ -271,11 +264,8 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Submit a request; returns its stream once the engine has accepted it.
-
-        Raises Overloaded (queue full), ShuttingDown (draining), EngineDead, or RequestError (the
-        engine rejected the prompt or parameters) before any output is produced.
-        """
+        """Submit a request; returns its stream once the engine has accepted it. Raises Overloaded,
+        ShuttingDown, EngineDead or RequestError before any output is produced."""
         if self._error is not None:
             raise EngineDead(f"the engine stopped: {self._error!r}")
         if not self._accepting or self._thread is None:
@@ -309,8 +299,7 @@ class AsyncEngine:
         return handle
 
     async def compile(self, constraint: Constraint) -> None:
-        """Compile `constraint` on a worker thread, within the engine's grammar time limit, so the
-        engine thread finds it cached. Raises GrammarError (a RequestError) when it cannot be used."""
+        """Compile `constraint` on a worker thread within the grammar time limit (GrammarError if unusable)."""
         grammars = self.engine.grammars
         await asyncio.to_thread(grammars.ll_tokenizer)  # once per model; the limit is for the grammar
         try:
@@ -356,8 +345,7 @@ class AsyncEngine:
         return min(self.GATHER_MAX_S, self.GATHER_SHARE * self._idle_start_step_s)
 
     def _drain_inbox(self, streams: dict[str, _Stream], block: bool) -> bool:
-        """Apply queued messages; False when told to stop. Blocks for the first one when idle, then
-        gathers the burst it starts (`gather_s`)."""
+        """Apply queued messages (False: stop); blocks for the first when idle, then gathers its burst."""
         gap, gather_until = self.gather_gap_s(), 0.0
         self._gathered = 0
         while True:
@@ -400,14 +388,9 @@ class AsyncEngine:
         message.stream.put(None)
 
     def _dispatch(self, outputs: list[RequestOutput], streams: dict[str, _Stream]) -> threading.Event | None:
-        """Hand a step's outputs to their streams: one wake-up per event loop, not one per output.
-
-        Returns an event that the loop sets once it has run the callers those outputs woke (a few
-        passes over its ready queue), or None when nothing was handed over. The engine thread waits
-        for it, briefly: the loop's work (formatting, socket writes) then runs while the compute
-        threads are idle, instead of preempting one of them in the middle of a step, where a spinning
-        thread pool (ggml, OpenMP) stalls at its next barrier until the preempted thread returns.
-        """
+        """Hand a step's outputs to their streams, one wake-up per event loop; returns the event the loop
+        sets once the woken callers ran, which the engine thread waits on briefly so that loop work never
+        preempts a compute thread mid-step (a spinning pool stalls at its next barrier)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = streams.get(out.request_id)

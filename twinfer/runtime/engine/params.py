@@ -11,16 +11,8 @@ from twinfer.runtime.errors import RequestError
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Token-loop guard settings (on by default; engine/guard.py says what a loop is, docs/guard.md
-    how the defaults were measured: each is about twice the longest verbatim repeat of its kind in
-    the Python standard library, Markdown, numbers, tables and JSON).
-
-    A unit of 1..`max_period` tokens repeated back to back at the tail, at least `min_copies` times,
-    is a loop once it covers: `text_copies` copies or `text_chars` characters when its text holds a
-    word; `blank_chars` characters when it is whitespace; `filler_chars` characters otherwise
-    (digits, hex, punctuation, one repeated character). `retries`: re-run a looping request up to
-    this many times with a fresh seed before giving up.
-    """
+    """Token-loop guard settings (on by default): what a loop is, engine/guard.py; how each default was
+    measured, docs/guard.md. `retries`: re-run a looping request up to this many times with a fresh seed."""
 
     enabled: bool = True
     max_period: int = 64

@@ -58,12 +58,8 @@ class OutOfBlocks(Exception):
 
 
 class BlockManager:
-    """Allocates KV blocks to sequences. Called by the scheduler, one thread.
-
-    Invariants (checked by `check()` in tests): every block is either free (ref 0, no key),
-    cached (ref 0, keyed, in the LRU) or in use (ref > 0); a block id appears at most once per table;
-    free + cached + in-use = num_blocks.
-    """
+    """Allocates KV blocks to sequences. Called by the scheduler, one thread. Every block is free, cached
+    (ref 0, keyed, in the LRU) or in use, at most once per table (`check()` asserts it in tests)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True, salt: bytes = b""):
         if num_blocks <= 0 or block_size <= 0:
@@ -118,11 +114,8 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate(self, seq_id: int, prefix: Sequence[int], num_tokens: int, tokens: Sequence[int]) -> None:
-        """Give `seq_id` blocks for positions [0, num_tokens), reusing the `prefix` block ids first.
-
-        `tokens` are the sequence's known tokens (prompt + output), counted for the hit rate; blocks
-        are registered for reuse only once computed (`mark_computed`). Raises OutOfBlocks (and changes nothing) when it cannot.
-        """
+        """Give `seq_id` blocks for positions [0, num_tokens), reusing `prefix` first; blocks register for
+        reuse once computed (`mark_computed`). Raises OutOfBlocks, changing nothing, when it cannot."""
         seq = self.seqs.get(seq_id)
         held = len(seq.table) if seq is not None else len(prefix)
         need = self.blocks_for(num_tokens) - held

@@ -16,12 +16,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class KVEventSink(Protocol):
-    """Told by `BlockManager` (on the engine thread) what the prefix cache gains and loses.
-
-    `stored` is called once per block when it is registered for reuse, with its parent's key (None for
-    a sequence's first block); `removed` once when a registered block stops holding that content
-    (evicted for room, or freed). Implementations must return quickly and never raise.
-    """
+    """Told by `BlockManager` (engine thread) of each block registered (`stored`, with its parent's key)
+    and each registered block lost (`removed`). Must return quickly and never raise."""
 
     def stored(self, key: bytes, parent: bytes | None, tokens: Sequence[int]) -> None: ...
 
@@ -94,11 +90,8 @@ def decode_batch(payload: bytes) -> tuple[float, list[list[Any]], int | None]:
 
 
 class ZmqKVEventPublisher(EventBuffer):
-    """Publishes the buffered events every `interval_s` on a ZMQ PUB socket bound to `endpoint`.
-
-    `endpoint` is a ZMQ address to bind (tcp://127.0.0.1:5557, ipc:///tmp/kv.sock). The first batch is
-    AllBlocksCleared, so a subscriber that followed an earlier process on the same address starts over.
-    """
+    """Publishes the buffered events every `interval_s` on a ZMQ PUB socket bound to `endpoint`, starting
+    with AllBlocksCleared so an earlier subscriber starts over."""
 
     def __init__(self, endpoint: str, block_size: int, *, replay_endpoint: str | None = None, topic: str = "",
                  interval_s: float = 0.02, buffer_steps: int = 10_000, dp_rank: int = 0):

@@ -22,12 +22,8 @@ class StateBinding:
 
 
 class StateSlots:
-    """Per-sequence state slots of one runner. Called by its Ops (bind) and its runner (release), one thread.
-
-    A chunk at position 0 takes a slot (a fresh one, or the slot it held) and starts from zeros; any other
-    chunk must continue exactly where its sequence's state stopped. `capacity` grows as sequences arrive
-    (the backend grows its pool to match); released slots are reused first.
-    """
+    """Per-sequence state slots of one runner (Ops' `bind`, the runner's `release`; one thread): a chunk at
+    position 0 starts from zeros, any other must continue where its state stopped."""
 
     def __init__(self) -> None:
         self.slot: dict[int, int] = {}

@@ -23,14 +23,9 @@ class StepBytes:
 
 @dataclass(frozen=True)
 class StepTraffic:
-    """How a runner's steps move bytes, from what it holds resident.
-
-    `weight_bytes`: the resident weights every step touches (dense layers, norms, the output head;
-    an untied embedding table is left out, a step reads only its rows). `expert_bytes`: one routed
-    expert of one MoE layer; a step touches at most min(E, T * top_k) of each layer's E experts.
-    `kv_layer_bytes`: KV bytes one position costs in each layer; `windows`: each layer's sliding
-    window (None: full attention), which bounds the positions a query reads.
-    """
+    """How a runner's steps move bytes: `weight_bytes` every step touches (not an untied embedding),
+    `expert_bytes` per routed expert and layer, `kv_layer_bytes` per position and layer, and each layer's
+    sliding `windows` (None: full)."""
 
     weight_bytes: float
     kv_layer_bytes: tuple[float, ...]

@@ -15,11 +15,8 @@ def per_sequence(window: int, block_size: int, chunk: int) -> int:
 
 
 class WindowBlocks:
-    """Per-sequence block tables of the sliding-window layers. Called by the runner, one thread.
-
-    `table(seq_id, start, end)` before a chunk [start, end) runs: frees the blocks the window has left
-    behind, allocates up to `end`, and returns the table (position order, NULL_BLOCK where dropped).
-    """
+    """Per-sequence block tables of the sliding-window layers (the runner, one thread): `table(seq_id,
+    start, end)` frees what the window left behind and returns the table (NULL_BLOCK where dropped)."""
 
     def __init__(self, num_blocks: int, block_size: int, window: int):
         if num_blocks < 2 or block_size <= 0 or window <= 0:

@@ -33,11 +33,8 @@ GGUF_MAGIC = b"GGUF"
 
 @dataclass
 class LoadedModel:
-    """A model ready to build a runner from: its spec, its weights (unread) and the file's metadata.
-
-    `metadata` is the GGUF key/values (without the large tokenizer arrays; see `read_gguf_array`) or
-    the parsed config.json of a Hugging Face folder.
-    """
+    """A model ready to build a runner from: its spec, its weights (unread) and the file's metadata (GGUF
+    key/values without the large arrays, or config.json)."""
 
     path: Path
     format: str  # "gguf", "hf" or "quantized" (a `twinfer quantize` folder)
@@ -47,11 +44,8 @@ class LoadedModel:
 
 
 def load_model(path: str | Path | None = None) -> LoadedModel:
-    """Open a GGUF file or a Hugging Face folder (None: the embedded default model).
-
-    Raises ModelError (or its subclasses UnsupportedArchitecture, WeightError) with a one-line
-    message for a missing path, a damaged file, an unknown architecture or mismatched weights.
-    """
+    """Open a GGUF file or a Hugging Face folder (None: the embedded default model); ModelError (or a
+    subclass) with a one-line message when it cannot."""
     resolved = default_model_path() if path is None else Path(path).expanduser()
     if not resolved.exists():
         raise ModelError(f"model path {str(resolved)!r} does not exist; pass a .gguf file or a model folder")

@@ -42,13 +42,8 @@ class GGUFTensor:
         return np.asarray(values, dtype=np.float32).reshape(self.shape)
 
     def read_region(self, region: Region) -> np.ndarray:
-        """`read()[region]` without reading what lies outside it, where the layout allows.
-
-        Float tensors (F32, F16, BF16) are arrays in the mapping: the region is cut before converting.
-        A quantized tensor's blocks run along the last axis, so whole rows are read: the leading axes'
-        slices (output rows, experts) select rows of blocks, and a slice of the last axis (input
-        columns) is cut after dequantizing those rows; for a 2-D matrix that is a full read.
-        """
+        """`read()[region]` without reading what lies outside it, where the layout allows: float tensors are
+        cut before converting, quantized ones read whole rows of blocks and cut columns after dequantizing."""
         raw = self.contents.tensor_bytes(self.info)
         if self.dtype in FLOAT_STORAGE:
             return widen(raw.view(FLOAT_STORAGE[self.dtype]).reshape(self.shape)[region], self.dtype)

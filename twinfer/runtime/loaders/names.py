@@ -27,12 +27,8 @@ class Rule:
 
 @dataclass(frozen=True)
 class NameTable:
-    """The rules of one architecture in one file format.
-
-    `aliases` rewrite source-name prefixes before matching (multimodal wrappers nest the text model);
-    `optional` canonical names may be absent; `transforms` are the architecture's own named transforms
-    (Gemma's norm offset), next to the generic `weights.TRANSFORMS`.
-    """
+    """The rules of one architecture in one file format, with prefix `aliases`, `optional` names, and the
+    architecture's own named `transforms`."""
 
     name: str
     rules: tuple[Rule, ...]

@@ -227,11 +227,8 @@ def raw(t: SafetensorsTensor) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PackedTensor:
-    """One quantized linear of a published layout: a `StoredTensor` whose `read()` dequantizes.
-
-    `fmt` is twinfer's format name ("fp8", "fp8-block", "nvfp4", "int4", "int8"); `parts` maps
-    twinfer's field names (`quant/linear.py`) to the stored tensors; `meta` holds the scalars.
-    """
+    """One quantized linear of a published layout: a `StoredTensor` whose `read()` dequantizes; `fmt` is
+    twinfer's format name, `parts` its fields' stored tensors (quant/linear.py), `meta` the scalars."""
 
     name: str
     fmt: str

@@ -74,12 +74,8 @@ Narrow = Callable[[Region, list[Shape], ModelSpec], Narrowed | None]
 
 @dataclass(frozen=True)
 class Transform:
-    """How stored tensors become one canonical weight. `apply` and `shape` see the sources in order.
-
-    `narrow` maps a box of the result (one slice per axis) to boxes of the sources, so a part of the
-    weight is read without the rest; it returns None where the box cannot be (a head split by the box
-    of a rope un-permute), and None as the field means the whole weight is read and then cut.
-    """
+    """How stored tensors become one canonical weight. `narrow` maps a box of the result to boxes of the
+    sources (None where it cannot; None as the field: read whole, then cut)."""
 
     apply: Callable[[list[np.ndarray], ModelSpec], np.ndarray]
     shape: Callable[[list[Shape], ModelSpec], Shape]
@@ -152,11 +148,8 @@ TRANSFORMS: dict[str, Transform] = {
 
 @dataclass(frozen=True)
 class WeightEntry:
-    """How to build one canonical weight: its stored sources and the transform applied to them.
-
-    `transform` names it (`WeightSet.transform`); `impl` is the transform itself, looked up in
-    `TRANSFORMS` when not given (a name table passes its architecture's own transforms).
-    """
+    """How to build one canonical weight: its stored sources and the named transform (`impl` defaults to
+    the `TRANSFORMS` entry)."""
 
     sources: tuple[StoredTensor, ...]
     transform: str | None = None
@@ -175,12 +168,8 @@ class WeightEntry:
 
 
 class WeightSet(Mapping[str, np.ndarray]):
-    """A lazy mapping from canonical weight names to float32 arrays.
-
-    Nothing is read until `load` (or `[]`); the file stays memory-mapped. Shapes and stored sizes are
-    known without reading. A fused gate/up tensor counts half of its bytes to each of the two
-    canonical weights split from it, so `nbytes_stored` sums to the file's size.
-    """
+    """A lazy mapping from canonical weight names to float32 arrays: nothing is read until `load`; a fused
+    tensor counts half its bytes to each weight split from it, so `nbytes_stored` sums to the file."""
 
     def __init__(self, spec: ModelSpec, entries: Mapping[str, WeightEntry]) -> None:
         self.spec = spec

@@ -20,13 +20,8 @@ Fields = dict[str, Any]
 
 @dataclass(frozen=True)
 class Architecture:
-    """One architecture as its model file declares it.
-
-    `hf_config` picks the text model's keys out of a config.json (multimodal wrappers nest them);
-    `hf_spec(c, fields)` and `gguf_spec(keys, fields)` return the generic spec fields with this
-    architecture's own added or changed (norms, layer pattern, experts, ...); `c` is the config with
-    `hf_defaults` filled in.
-    """
+    """One architecture as its model file declares it: `hf_config` picks the text model's keys;
+    `hf_spec`/`gguf_spec` return the generic spec fields with its own added or changed."""
 
     name: str  # the canonical model_type, `ModelSpec.model_type`
     model: type[Model]

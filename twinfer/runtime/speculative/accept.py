@@ -17,11 +17,8 @@ from twinfer.runtime.speculative.proposer import Dist, Draft
 
 
 def verify(logits: np.ndarray, draft: Draft, row: RowState) -> list[int]:
-    """Tokens to emit: the accepted draft prefix, then the target's token (1 to len(draft)+1 ids).
-
-    `logits` are the target's rows [len(draft.tokens) + 1, V]. Draws use `row.rng`; `row` itself is
-    not changed (the engine counts the emitted tokens as it appends them).
-    """
+    """Tokens to emit (1 to len(draft)+1): the accepted draft prefix, then the target's token. `logits`
+    are [len(draft.tokens) + 1, V]; draws use `row.rng`; `row` is not changed."""
     state = replace(row, output_counts=Counter(row.output_counts))
     out: list[int] = []
     for i, proposed in enumerate(draft.tokens):

@@ -43,13 +43,8 @@ class Window:
 
 @dataclass
 class CostModel:
-    """Seconds of decode-only steps by the number of tokens they compute, and the proposer's
-    seconds per drafted token. Fed by the Speculator after every step in which all requests decode.
-
-    With R requests decoding, a request's k drafts join a step of n tokens (R rows plus the other
-    requests' drafts, estimated from the latest step), so they cost T(n + k) - T(n) against its
-    share T(R) / R of a plain step: batched rows are cheap, and so drafting pays less at width.
-    """
+    """Seconds of decode-only steps by tokens computed, and the proposer's seconds per drafted token, fed
+    after every all-decode step; a request's k drafts cost T(n + k) - T(n) against T(R) / R."""
 
     prior: float = 0.15  # extra cost of an unmeasured drafted token, in plain rows, for one request
     wide_prior: float = 1.0  # ... when several decode: a batched row is cheap, a token about as dear

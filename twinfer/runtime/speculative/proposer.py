@@ -16,11 +16,8 @@ Dist = tuple[np.ndarray, np.ndarray]  # (candidate ids, probabilities), as sampl
 
 @dataclass
 class DraftQuery:
-    """One request's question to a proposer.
-
-    `tokens` are the request's prompt and output; the last one is sampled but not yet in the
-    target's KV cache, so the verification chunk starts at position `len(tokens) - 1`.
-    """
+    """One request's question to a proposer: `tokens` are prompt and output, the last not yet in the
+    target's KV, so verification starts at `len(tokens) - 1`."""
 
     seq_id: int
     tokens: list[int]

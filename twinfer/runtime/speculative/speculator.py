@@ -25,13 +25,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding settings of an engine.
-
-    `max_k` 6: the llama.cpp runner on CPU verifies chunks of up to 7 tokens bit-identically to
-    decoding them one at a time (measured on the default model; 8-token chunks take another matmul
-    path), as long as a lone decode row does not take ggml's split-KV attention: the cache holds at
-    most 256 cells, or the engine runs in batch-invariant mode (which pads lone rows).
-    """
+    """Speculative decoding settings of an engine. `max_k` 6: the llama.cpp CPU runner verifies up to 7
+    tokens bit-identically while a lone row avoids split-KV attention (docs/architecture.md)."""
 
     max_k: int = 6
     adaptive: bool = True  # False: always draft max_k tokens

@@ -22,11 +22,8 @@ __all__ = [
 
 
 def load_tokenizer(path: str | Path | None = None, cache_dir: str | Path | None = None) -> Tokenizer:
-    """The tokenizer of a model: a GGUF file, or a Hugging Face folder with tokenizer.json.
-
-    None means the embedded default model. `cache_dir` is where GGUF vocabularies are cached once
-    converted (default: the user cache dir).
-    """
+    """The tokenizer of a model (None: the default model); converted GGUF vocabularies are cached in
+    `cache_dir`."""
     if path is None:
         from twinfer.runtime.loaders import default_model_path
 

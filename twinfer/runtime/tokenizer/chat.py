@@ -52,12 +52,8 @@ def render_chat(
     documents: Sequence[Mapping[str, Any]] | None = None,
     **extra: Any,
 ) -> str:
-    """Render `messages` with `template` (None: `FALLBACK_TEMPLATE`), as transformers would.
-
-    `extra` is passed to the template (e.g. `enable_thinking=False`, `date_string=...`).
-    Raises RequestError for invalid messages or when the template rejects them (`raise_exception`),
-    ModelError when the template itself does not compile.
-    """
+    """Render `messages` with `template` (None: `FALLBACK_TEMPLATE`) as transformers would, `extra` passed
+    to it; RequestError for bad messages or a template's refusal, ModelError for a broken template."""
     chat = validate_messages(messages)
     compiled = _compile(template if template is not None else FALLBACK_TEMPLATE)
     try:

@@ -113,11 +113,8 @@ def _opt_id(meta: dict[str, Any], key: str, default: int | None, n_vocab: int) -
 def _types_and_eog(
     meta: dict[str, Any], tokens: list[str], eos_id: int | None
 ) -> tuple[np.ndarray, list[int]]:
-    """Token types after llama.cpp's text-based fixes, and its end-of-generation ids.
-
-    llama.cpp forces CONTROL on EOG-looking tokens and on EOT/EOM/FIM tokens it finds by text; EOG is
-    EOS, EOT, EOM, fim_pad/rep/sep and every EOG-looking text.
-    """
+    """Token types after llama.cpp's text-based fixes (CONTROL on EOG-looking tokens), and its
+    end-of-generation ids."""
     n = len(tokens)
     raw = meta.get("tokenizer.ggml.token_type")
     types = np.full(n, NORMAL, dtype=np.int32) if raw is None else np.array(raw, dtype=np.int32)
@@ -188,17 +185,9 @@ def _clean_tokens(tokens: list[str]) -> list[str]:
 
 
 def spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
-    """BPE merges that replay llama.cpp's score-driven SentencePiece merging.
-
-    A symbol that llama.cpp builds inside a text is built exactly as it would be from its own characters
-    alone (merges never cross its boundary), so each token needs one merge: the last one llama.cpp does
-    when tokenizing the token's text by itself. Merges are ranked by the score of the token they produce,
-    higher first. llama.cpp breaks score ties by position (leftmost first), which BPE ranks cannot express;
-    ranking the longer left piece first (as transformers' converter does) reproduces it for the tie
-    groups real vocabularies have, such as Llama 2's runs of "▁" that all score -1e9.
-    Pieces containing a space are left out: spaces never reach the model (the normalizer turns them into
-    U+2581).
-    """
+    """BPE merges that replay llama.cpp's score-driven SentencePiece merging: one merge per token (its
+    last when tokenized alone), ranked by the produced token's score, longer left piece first on ties
+    (docs/internals.md, "Tokenizers")."""
     vocab = {t: i for i, t in enumerate(tokens)}
     score = [float(s) for s in scores]
     found: list[tuple[float, int, int, str, str]] = []

@@ -17,16 +17,9 @@ class _Decodes(Protocol):
 
 
 class StreamDecoder:
-    """Incremental detokenizer for one sequence.
-
-    Who calls it: the engine, once per generated token of a request. Contract: the concatenation of
-    every `push` result and the final `flush` equals `tokenizer.decode(all pushed ids)` (with the same
-    `skip_special_tokens`), and no returned string ends inside a character.
-
-    `context_ids`: tokens already in the sequence (e.g. the prompt's last few tokens) that are decoded for
-    context but never emitted, so the first generated word gets its leading space where a SentencePiece
-    decoder would otherwise strip it.
-    """
+    """Incremental detokenizer for one sequence, fed by the engine per generated token: every `push` plus
+    the final `flush` equals `tokenizer.decode(ids)`, never ending inside a character. `context_ids` are
+    decoded for context, never emitted (keeps the first word's leading space)."""
 
     def __init__(
         self, tokenizer: _Decodes, skip_special_tokens: bool = False, context_ids: Sequence[int] = ()

@@ -24,11 +24,8 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def read_gguf_metadata(path: str | Path, keys_prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The header key/values of the GGUF file at `path`, large arrays included.
-
-    Numeric arrays come back as numpy arrays, string arrays as lists of str, scalars as Python values.
-    With `keys_prefix`, only keys starting with one of those prefixes are returned.
-    """
+    """The header key/values of the GGUF file at `path`, large arrays included (numpy or lists of str);
+    `keys_prefix` filters by key prefix."""
     contents = GGUFContents(Path(path))
     keys = [*contents.metadata, *contents.array_lengths]
     wanted = [k for k in keys if not keys_prefix or k.startswith(keys_prefix)]

@@ -49,11 +49,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
-        """Tokenizer of a GGUF file; token ids match llama.cpp's on the same file.
-
-        The converted vocabulary is cached under `cache_dir` (default: the user cache dir); see cache.py.
-        Without a chat template in the file, a built-in one is used for known architectures (Gemma 3).
-        """
+        """Tokenizer of a GGUF file, ids matching llama.cpp's; the converted vocabulary is cached, and a
+        built-in chat template fills in for known architectures."""
         from twinfer.runtime.tokenizer.cache import load_gguf_tokenizer
 
         backend, info = load_gguf_tokenizer(path, cache_dir)
@@ -109,12 +106,8 @@ class Tokenizer:
         return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`.
-
-        add_special_tokens: add BOS (and EOS) where the model asks for it.
-        parse_special: text such as "<end_of_turn>" becomes that control token; False encodes it as plain
-        text (use it for untrusted user content). User-defined tokens are always matched, as in llama.cpp.
-        """
+        """Token ids of `text`. `add_special_tokens`: BOS/EOS where the model asks; `parse_special=False`
+        encodes control-token text as plain text (untrusted content)."""
         with self._lock:
             if parse_special:
                 return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -125,11 +118,8 @@ class Tokenizer:
                 self._tok.encode_special_tokens = False
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids`; with skip_special_tokens, control tokens (BOS, <end_of_turn>, ...) are dropped.
-
-        Invalid UTF-8 from byte tokens becomes U+FFFD per maximal invalid subsequence (Python's and
-        llama.cpp's behaviour), so a valid character next to stray bytes survives.
-        """
+        """Text of `ids` (`skip_special_tokens` drops control tokens); invalid UTF-8 becomes U+FFFD per
+        maximal invalid subsequence, as Python and llama.cpp do."""
         if len(ids) == 1:  # the stream decoder's window after every emission: one token, kept per id
             key = (ids[0], skip_special_tokens)
             text = self._single.get(key)
