@@ -101,12 +101,8 @@ def eval_kl(
     probes: Annotated[int, typer.Option("--probes", help="logit_bias probes per position of a URL candidate: the reference's likeliest tokens outside its top k.")] = 0,
     probe_seconds: Annotated[float, typer.Option("--probe-seconds", help="Time limit on all probes, in seconds.")] = 60.0,
 ) -> None:
-    """KL(reference || candidate) of next-token distributions on the same token stream.
-
-    The candidate may be an OpenAI-compatible endpoint (http(s)://.../v1): KL is then estimated from
-    its top-k logprobs with a censored log-normal model of the tail; the tail-bucket lower bound is
-    printed beside it.
-    """
+    """KL(reference || candidate) of next-token distributions on the same token stream; an endpoint
+    candidate (http(s)://.../v1) is estimated from its top-k logprobs."""
     from twinfer.cli.eval_cmd import EvalKLOptions, RemoteOptions, run_eval_kl
 
     remote = RemoteOptions(top_k=top_k, api_key_env=api_key_env, probes=probes, probe_seconds=probe_seconds)

@@ -41,13 +41,8 @@ class MXFP4Tensor:
 
 
 def load_mxfp4_tensor(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """Dequantize gpt-oss MXFP4 ``blocks`` uint8 ``[..., G, 16]`` and ``scales`` uint8 ``[..., G]``.
-
-    Returns float32 ``[..., G * 32]``: for a gpt-oss expert tensor ``[experts, out, G, 16]`` that is
-    ``[experts, out, in]``, the reference implementation's orientation. (transformers'
-    ``convert_moe_packed_tensors`` also transposes the last two axes for its ``[experts, in, out]``
-    parameters.)
-    """
+    """Dequantize gpt-oss MXFP4 `blocks` uint8 [..., G, 16] and `scales` uint8 [..., G] to float32
+    [..., G * 32] (an expert tensor comes out [experts, out, in])."""
     blocks = np.asarray(blocks, dtype=np.uint8)
     scales = np.asarray(scales, dtype=np.uint8)
     if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:

@@ -46,11 +46,8 @@ class NVFP4Tensor:
 
 
 def pack(w: np.ndarray, global_scale: float | None = None) -> NVFP4Tensor:
-    """Quantize float32 ``[out, in]`` (``in`` a multiple of 16) to NVFP4, ModelOpt's recipe.
-
-    ``global_scale`` defaults to ``amax(w) / (6 * 448)``; pass 1.0 for block scales alone (what
-    ``mx.quantize(mode="nvfp4")`` does without a global scale).
-    """
+    """Quantize float32 [out, in] (`in` a multiple of 16) to NVFP4, ModelOpt's recipe; `global_scale`
+    defaults to amax(w) / (6 * 448), 1.0 gives block scales alone."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] % BLOCK:
         raise ValueError(f"NVFP4 needs a weight [out, in] with in divisible by {BLOCK}, got shape {w.shape}")

@@ -256,12 +256,9 @@ def device_from(hardware: str) -> Device:
 
 def resolve_cluster(hardware: str, gpus: int | None = None, nodes: int | None = None,
                     memory_budget: str | None = None, follow_build: bool = True) -> Cluster:
-    """`auto` probes this machine, `cpu` its CPU; a description or a table name otherwise.
-
-    `gpus`/`nodes` override the count (a node shape's own count when None), `memory_budget` caps each device.
-    A GPU or Apple silicon gets the installed llama.cpp build (`llamacpp_build`), so a plan says whether it
-    runs there; with `follow_build`, `auto` on a local GPU this build cannot use plans the CPU instead.
-    """
+    """`auto` probes this machine, `cpu` its CPU, else a description or table name; `gpus`/`nodes`
+    override the count, `memory_budget` caps each device; `follow_build` plans the CPU where this
+    llama.cpp build cannot use the local GPU."""
     from twinfer.planners import probe
     from twinfer.planners.hw_table import DEVICES, NODE_SHAPES
     from twinfer.planners.units import parse_bytes

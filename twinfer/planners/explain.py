@@ -265,11 +265,8 @@ MAX_SEARCHES = 12  # cluster sizes `smallest_change` tries before it gives up na
 
 
 def _more_gpus(model: ModelProfile, cluster: Cluster, request: Request, c: Candidate, cal: Calibration) -> str | None:
-    """`use --gpus N [--nodes M]` for the fewest GPUs that fit `c`'s formats, or None.
-
-    Sizes whose memory cannot hold one copy of the weights are skipped unsearched, and at most
-    `MAX_SEARCHES` sizes are searched, so a hopeless request (a 100 MB budget) answers at once.
-    """
+    """`use --gpus N [--nodes M]` for the fewest GPUs that fit `c`'s formats, or None; at most
+    `MAX_SEARCHES` sizes that can hold the weights are searched, so hopeless requests answer at once."""
     s = c.strategy
     fixed = replace(request, weights_format=s.mix.name, kv_format=s.kv.name)
     top = cluster.device.max_per_node

@@ -88,11 +88,8 @@ def written_format(fmt: str, row_length: int) -> str:
 
 @dataclass(frozen=True)
 class Mix:
-    """A weight format for a whole model: `default` everywhere except the listed components.
-
-    A component may be split between two formats (`(fmt, share)` pairs), which is how llama.cpp's
-    `_M` mixes keep every other layer's V and down projections at higher precision.
-    """
+    """A weight format for a whole model: `default` except the listed components, which may split
+    between two formats (`(fmt, share)` pairs, as llama.cpp's `_M` mixes do)."""
 
     name: str
     default: str
@@ -224,12 +221,8 @@ class KVFormat:
 
 
 def turboquant_kv_bits(bits: int, head_dim: int) -> float:
-    """Bits per element of the torch/MLX TurboQuant KV cache (quant/kv_format.py) at `bits` on `head_dim`.
-
-    Each head vector is rotated in next_pow2(head_dim) >= 8 dims, whose codes pack into whole bytes
-    (8 codes in `bits` bytes), plus one float16 norm: 4-bit on 128 is (128 * 4 + 16) / 128 = 4.125,
-    on 256 it is 4.0625, on 80 (padded to 128) 6.6.
-    """
+    """Bits per element of the torch/MLX TurboQuant KV cache at `bits` on `head_dim`: codes over
+    next_pow2(head_dim) dims plus a float16 norm (4-bit on 128: 4.125)."""
     padded = 1 << max(0, (head_dim - 1).bit_length())  # quant.hadamard.next_pow2, which would import numpy
     return (padded * bits + 16) / head_dim
 

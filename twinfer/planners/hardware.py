@@ -26,12 +26,8 @@ LINK_GBS: dict[str, float] = {
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator (or CPU socket set) with its published or measured peak numbers.
-
-    `interconnect_gbs` is the per-device peer bandwidth inside a node as vendors publish it
-    (bidirectional aggregate: NVLink 4 = 900 GB/s); the cost model uses half of it per direction.
-    `tensor_tflops` holds dense (non-sparse) matrix peaks per compute dtype the device runs natively.
-    """
+    """One accelerator (or CPU socket set) with its published or measured peaks; `interconnect_gbs` is the
+    vendor's bidirectional per-device figure (halved per direction), `tensor_tflops` dense peaks."""
 
     name: str
     label: str

@@ -32,11 +32,8 @@ GPU_BUILD_HINT = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --n
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a llama.cpp plan puts the model: llama.cpp's model parameters, and the KV type with them.
-
-    `cpu_moe_layers` = N keeps the routed experts of blocks [0, N) in host memory (llama.cpp counts blocks,
-    leading dense blocks included, as `--n-cpu-moe` does); N = `num_layers` is `--cpu-moe`.
-    """
+    """Where a llama.cpp plan puts the model, with its KV type; `cpu_moe_layers` = N keeps the experts of
+    blocks [0, N) in host memory (`--n-cpu-moe N`; `num_layers` is `--cpu-moe`)."""
 
     device: str  # GPU, APPLE or CPU: where the plan's numbers assume the layers run
     n_gpu_layers: int  # llama.cpp's count: 0 (CPU) or ALL_LAYERS
@@ -85,12 +82,8 @@ class Placement:
 
 
 def placement_for(profile: ModelProfile, s: Strategy, device: Device) -> Placement | None:
-    """The placement of strategy `s` on `device` (None: not a llama.cpp plan).
-
-    Streaming a share f of the routed experts keeps the experts of ceil(f x MoE layers) blocks in host
-    memory, counted after the leading dense blocks: at least the share the plan priced as streamed, so
-    what stays on the device is no more than the plan's resident weights.
-    """
+    """The placement of strategy `s` on `device` (None: not a llama.cpp plan); a streamed share f keeps
+    the experts of ceil(f x MoE layers) blocks after the dense ones in host memory."""
     if s.engine != "llamacpp":
         return None
     spec, kv = profile.spec, s.kv.name

@@ -111,12 +111,8 @@ def _memory_json(c: Candidate) -> dict[str, Any]:
 
 
 def runner_formats(backend: str, device_kind: str) -> tuple[str, str]:
-    """(weights format, KV format) that twinfer's runner for `backend` holds, as `Request` fields.
-
-    The llama.cpp runner runs the file as stored with an F16 cache unless given another `kv_type`; the
-    torch runner holds weights and KV in bfloat16 on a GPU and float32 on a CPU (runtime/load.py), as
-    does the MLX runner by default.
-    """
+    """(weights format, KV format) that twinfer's runner for `backend` holds, as `Request` fields: llama.cpp
+    the file with an F16 cache, torch and MLX bfloat16 on a GPU and float32 on a CPU."""
     if backend == "llamacpp":
         return "stored", "f16"
     if backend == "torch" and device_kind == GPU:

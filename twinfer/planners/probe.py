@@ -247,12 +247,8 @@ def llamacpp_repacks(host: HostFacts) -> tuple[str, ...]:
 
 
 def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
-    """(ISA label, f32 FLOPs per cycle per core, int8 dot-product ops per cycle per core).
-
-    The int8 rate is what llama.cpp's quantized matmuls run on. ggml's K-quant dot products are 256 bits
-    wide even with AVX-512, so AVX-512 VNNI counts as 256-bit VNNI; AMX tiles are not counted
-    (docs/planner-accuracy.md, "A third host").
-    """
+    """(ISA label, f32 FLOPs per cycle per core, int8 dot-product ops per cycle per core); AVX-512 VNNI
+    counts as 256-bit (ggml's K-quant dot products), AMX not at all."""
     f, intel = host.flags, "Intel" in host.vendor
     arm = host.machine in ("aarch64", "arm64") or "asimd" in f
     if "avx512f" in f:
@@ -270,11 +266,8 @@ def cpu_rates(host: HostFacts) -> tuple[str, float, float]:
 
 
 def effective_ghz(host: HostFacts, fma: float) -> float:
-    """The clock the cost model prices a core's arithmetic at: the one the probe read (2.5 GHz when none),
-    or the faster one a measured f32 GEMM implies. A VM's reported clock need not be its cores' clock; a
-    GEMM below the reported peak is not taken for a slower core (BLAS runs under peak). x86 only: Apple's
-    BLAS runs on the matrix coprocessor (docs/planner-accuracy.md, "The measured clock").
-    """
+    """The clock arithmetic is priced at: the reported one (2.5 GHz if none), or the faster one a measured
+    f32 GEMM implies (x86 only; docs/planner-accuracy.md, "The measured clock")."""
     reported = host.ghz or 2.5
     if host.measured_gflops and host.machine in ("x86_64", "AMD64", "amd64"):
         return max(reported, host.measured_gflops / (host.cores * fma))
@@ -282,11 +275,8 @@ def effective_ghz(host: HostFacts, fma: float) -> float:
 
 
 def probe_cpu(host: HostFacts | None = None, measure: bool = True) -> Cluster:
-    """A machine's CPU as the planner sees it: physical cores, memory, f32 and int8 peaks, read bandwidth.
-
-    Without `host`, this machine: with `measure`, its bandwidth and f32 GEMM rate are measured once and
-    cached; a pinned machine keeps its file's rate; otherwise a per-core guess, said so in the notes.
-    """
+    """A machine's CPU as the planner sees it: cores, memory, f32 and int8 peaks, read bandwidth; this
+    machine's rates are measured once and cached with `measure`, else guessed and said so."""
     if host is None:
         host = read_host()
         if host.measured_gbs is None and measure:
@@ -332,11 +322,8 @@ def _last_level_cache_bytes() -> int:
 
 
 def measure_cpu_bandwidth(total_mb: int | None = None, seconds: float = 1.0) -> float:
-    """Read bandwidth in GB/s: every usable core sums its own array, pass after pass for `seconds` (at
-    least three passes); the median pass, cached for this CPU. The median is stable on a VM whose speed
-    moves; the arrays hold 4x the last-level cache (2x past 256 MB, at most 512 MB) so a
-    `--memory-budget` run's peak is not raised (docs/planner-accuracy.md, "The out-of-sample check failed").
-    """
+    """Read bandwidth in GB/s: each usable core sums its own array for `seconds` (at least three passes);
+    the median pass, cached per CPU. Arrays of 2-4x the last-level cache, at most 512 MB."""
     import numpy as np
 
     threads = max(1, default_threads())

@@ -116,15 +116,9 @@ LOCAL_EQUIVALENT = {"bf16": "f16", "fp8": "q8_0", "mxfp4-moe": "gguf-mxfp4", "in
 
 def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize: bool = False,
                  half: str = "bf16") -> list[Mix]:
-    """Formats worth trying: the published one (or the file as stored), and anything clearly smaller.
-
-    Never a format bigger than the checkpoint (upcasting buys nothing), except FP8 and BF16 on a
-    datacenter target, whose GPU may not run the published format natively; locally, never a
-    requantization to about the same size (it compounds error for no bytes saved), except of a file
-    that does not fit as stored, where any smaller file beats pruning or no plan; locally those include
-    llama.cpp mixes that also requantize the embedding/output (`LOCAL_EMBED_BASES` x `EMBED_TYPES`).
-    `half` is the 16-bit float the GPU multiplies natively: `f16` on one without BF16 (Volta, Turing).
-    """
+    """Formats worth trying: the published one (or the file as stored), and anything clearly smaller;
+    never an upcast (except FP8/BF16 on a datacenter target) nor a same-size requantization unless the
+    file does not fit. `half` is the 16-bit float the GPU multiplies natively."""
     if requested not in ("auto", ""):
         if requested in ("stored", "native"):
             return [profile.stored or mix(profile.native)]

@@ -25,12 +25,8 @@ RUNNER_SPECS = ("llamacpp", "torch", "mlx")
 
 
 class RunnerFactory(Protocol):
-    """Where quant's measuring harness gets runners; the app layer implements it (`app.runners.RUNNERS`).
-
-    `open` runs a model file (None: the default model) on a backend, with llama.cpp runner options
-    such as `kv_type`; `build` runs weights held in memory (quantized views included) on torch or
-    MLX. Both raise `TwinferError` for a backend or option they cannot honour.
-    """
+    """Where quant's measuring harness gets runners (the app's `RUNNERS`): `open` runs a model file on a
+    backend, `build` runs in-memory weights on torch or MLX; both raise `TwinferError` when they cannot."""
 
     def open(self, model: str | None, backend: str, *, max_seqs: int, ctx: int, **options: Any) -> Runner: ...
 

@@ -136,11 +136,8 @@ def to_gguf_blocks(qw: QuantizedWeight, name: str = "tensor") -> tuple[np.ndarra
 
 
 def q4_1_blocks(p: AffineTensor) -> tuple[np.ndarray, float]:
-    """GGUF Q4_1 blocks of a 4-bit affine weight, and the largest value change (float16 rounding).
-
-    A block is float16 d, float16 m, then 16 bytes holding element j in the low nibble and j + 16 in
-    the high one (ggml's `block_q4_1`); a group of 64 or 128 is two or four blocks sharing d and m.
-    """
+    """GGUF Q4_1 blocks (ggml's `block_q4_1`) of a 4-bit affine weight, and the largest value change from
+    float16 rounding; a group of 64 or 128 is two or four blocks sharing d and m."""
     if p.bits != 4 or p.group_size % 32:
         raise ValueError(f"Q4_1 holds 4-bit groups of a multiple of 32; got {p.bits} bits, group {p.group_size}")
     out, inp = p.shape

@@ -30,12 +30,8 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
 
 class Streamed:
-    """Tensor bytes written chunk by chunk, so a rewrite never holds a whole tensor (nor keeps the source
-    file's pages resident: after each chunk the pages it read from the source map are dropped).
-
-    `shape` is the byte shape (rows, row bytes); `chunks()` yields C-contiguous uint8 row blocks in order.
-    GGUFWriter only calls `nbytes` and `tofile`, so this stands in for the array it would write.
-    """
+    """Tensor bytes written chunk by chunk, dropping the source pages read, so a rewrite never holds a
+    whole tensor; stands in for the array GGUFWriter writes (`nbytes`, `tofile`)."""
 
     def __init__(self, shape: tuple[int, ...], chunks: Callable[[], Iterable[np.ndarray]],
                  release: Callable[[], None] | None = None):

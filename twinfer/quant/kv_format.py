@@ -79,12 +79,8 @@ def parse_kv_format(text: str | None) -> KVFormat | None:
 
 @dataclass(frozen=True)
 class ChannelSet:
-    """One TurboQuant-MSE channel set of a head: ``dim`` channels coded at ``bits`` after ``rotation``.
-
-    ``rotation`` float32 ``[D, dim]`` (``D = next_pow2(dim)``), ``centroids`` float32 ``[2**bits]``
-    and ``boundaries`` float32 ``[2**bits - 1]`` in standard-deviation units; ``outlier`` says whether
-    the set holds each head's outlier channels (else the rest, or all of them at an integer rate).
-    """
+    """One TurboQuant-MSE channel set of a head: `dim` channels coded at `bits` after `rotation` [D, dim];
+    `centroids` and `boundaries` in standard-deviation units; `outlier` marks the outlier set."""
 
     dim: int
     bits: int

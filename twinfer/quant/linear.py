@@ -157,13 +157,9 @@ def _tq_from(meta: dict[str, Any], arrays: dict[str, np.ndarray], shape: tuple[i
 
 @dataclass(frozen=True)
 class TQLinearParts:
-    """A TurboQuant weight laid out for a backend's rotate-then-lookup matmul, per channel set.
-
-    For set ``s``: ``channels[s]`` int64 ``[G, d_s]`` (input channels of each block, within the
-    block), ``rotation[s]`` float32 ``[D_s, d_s]`` (the set's orthogonal map), ``codes[s]`` uint8
-    ``[out, G, D_s]``, ``scales[s]`` float32 ``[out, G]`` (``norm / sqrt(D_s)``) and
-    ``centroids[s]`` float32 ``[2**bits]``. Then ``y = sum_s (x_s R_s^T) . (centroids[codes] * scale)``.
-    """
+    """A TurboQuant weight laid out for a backend's rotate-then-lookup matmul, per channel set s:
+    `channels`, `rotation`, `codes` [out, G, D_s], `scales` (norm / sqrt(D_s)) and `centroids`;
+    y = sum_s (x_s R_s^T) . (centroids[codes] * scale)."""
 
     shape: tuple[int, int]
     block: int

@@ -17,11 +17,8 @@ _TAIL = 12.0  # the Gaussian mass beyond 12 sigma is ~4e-33
 
 @dataclass(frozen=True)
 class Codebook:
-    """Optimal ``2**bits``-level quantizer for the rotated-coordinate law in dimension ``dim``.
-
-    ``dim=None`` is the Gaussian limit. Values are in standard-deviation units: a coordinate ``x``
-    of a vector with norm ``r`` in ``D`` dimensions quantizes as ``r / sqrt(D) * centroids[k]``.
-    """
+    """Optimal `2**bits`-level quantizer for the rotated-coordinate law in dimension `dim` (None: the
+    Gaussian limit), in standard-deviation units."""
 
     bits: int
     dim: int | None

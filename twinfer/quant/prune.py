@@ -131,14 +131,9 @@ class KLRanking:
 
 def rank_layers_by_kl(runner: Runner, windows: list[list[int]], n: int, stride: int = 4,
                       finalists: int = 3) -> KLRanking:
-    """Remove `n` layers one at a time, each round the one that keeps KL to the full model lowest.
-
-    A round screens every remaining layer on every `stride`-th row (the output matrix dominates the
-    cost on big vocabularies), then scores the `finalists` best on every row and keeps the best of
-    those: KL per row is heavy-tailed, and a quarter of 512 rows misranks layers whose costs differ by
-    15% (measured on Gemma 3 270M). The hidden states entering each layer are computed once per window
-    and round, so trying layer j reruns only the layers after it.
-    """
+    """Remove `n` layers one at a time, each round the one that keeps KL to the full model lowest: screen
+    every layer on every `stride`-th row, then score the `finalists` on all rows (per-row KL is
+    heavy-tailed); hidden states are cached so trying layer j reruns only the layers after it."""
     if not isinstance(runner, OpsRunner):
         raise TwinferError("ranking layers by KL needs the torch or mlx backend (--backend torch)")
     L = runner.spec.num_layers

@@ -104,11 +104,8 @@ class Endpoint:
 
     def probe(self, prompt: list[int], token: int, k: int, best: tuple[Sequence[int], float],
               pieces: PieceIndex) -> float | None:
-        """The candidate's logprob of `token` after `prompt`, by a `logit_bias` probe: biased to the top, it
-        is the greedy choice and returns its logprob. Servers that return raw logprobs (vLLM's default,
-        twinfer serve) give it as is; where the logprobs are of the biased distribution, the unbiased top-1
-        `best` (its ids and logprob) undoes the bias: log q = lq' - b + (l1 - l1'). None where the probe
-        cannot be read (the bias was not honoured, or the top-1 left the biased top k)."""
+        """The candidate's logprob of `token` after `prompt` by a `logit_bias` probe (the biased top-1
+        `best` undoes a biased distribution's shift); None where the probe cannot be read."""
         out = self._call(self.client.completions.create, model=self.model, prompt=prompt, max_tokens=1,
                          temperature=0.0, logprobs=k, logit_bias={str(token): PROBE_BIAS})
         lp = getattr(out.choices[0], "logprobs", None)
@@ -291,11 +288,8 @@ class RemoteOptions:
 
 def measure_remote_kl(model: str | None, reference: str, url: str, corpus: str, tokens: int, window: int = 256, *,
                       runners: RunnerFactory, options: RemoteOptions | None = None) -> RemoteKLReport:
-    """KL(reference || endpoint) over `tokens` corpus tokens, estimated from the endpoint's top-k logprobs.
-
-    `options.probes` > 0 also asks, per position, for the logprobs of up to that many of the reference's most
-    likely tokens missing from the endpoint's top k (one `logit_bias` request each), within
-    `options.probe_seconds` in all."""
+    """KL(reference || endpoint) over `tokens` corpus tokens, from the endpoint's top-k logprobs (plus up
+    to `options.probes` logit_bias probes per position within `options.probe_seconds`)."""
     from twinfer.runtime.tokenizer import load_tokenizer
 
     o = options or RemoteOptions()

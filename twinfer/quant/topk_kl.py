@@ -80,13 +80,8 @@ class TopKRows:
 
 def topk_estimate_rows(ref_logits: np.ndarray, cand_top: Sequence[TopRow], k: int | None = None,
                        probes: Sequence[Sequence[tuple[int, float]]] | None = None) -> TopKRows:
-    """Both estimates for rows of reference logits [rows, vocab] and the candidate's top-k rows.
-
-    `k` is the number of logprobs asked for: entries below a row's k best (OpenAI's API adds the sampled
-    token's) count in the sums but not in the fit, whose censoring bound is the k-th best logprob.
-    `probes` are per row (token id, candidate logprob) pairs learnt outside the top k (logit_bias
-    probes of tokens chosen by the reference's probability): exact terms of both sums, and seen values
-    of the fit (chosen by p, they carry no selection on q)."""
+    """Both estimates for rows of reference logits [rows, vocab] and the candidate's top-k rows; `k` is
+    the number asked for (the fit's censoring bound), `probes` extra (token, logprob) pairs per row."""
     lp = log_softmax(ref_logits)
     if lp.shape[0] != len(cand_top):
         raise ValueError(f"{lp.shape[0]} reference rows but {len(cand_top)} candidate rows")

@@ -97,11 +97,8 @@ def split_rate(rate: float, dim: int) -> tuple[int, int]:
 
 
 def choose_outliers(calibration: np.ndarray, n_outliers: int) -> np.ndarray:
-    """Pick, per group, the ``n_outliers`` channels with the largest RMS over calibration vectors.
-
-    ``calibration`` is ``[n, G, dim]`` (or ``[n, dim]`` for one group); returns int64 ``[G, n_outliers]``,
-    sorted ascending within each group.
-    """
+    """Per group, the `n_outliers` channels with the largest RMS over `calibration` [n, G, dim] (or
+    [n, dim]): int64 [G, n_outliers], ascending."""
     c = np.asarray(calibration, dtype=np.float32)
     if c.ndim == 2:
         c = c[:, None, :]
@@ -112,11 +109,8 @@ def choose_outliers(calibration: np.ndarray, n_outliers: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TQTensor:
-    """Vectors ``[n, G, dim]`` under :class:`TurboQuant`: one :class:`TQCodes` per channel set.
-
-    ``parts[0]`` covers all channels at an integer rate; at a fractional rate ``parts`` is
-    ``(outliers at low+1 bits, the rest at low bits)``, each over ``n * G`` vectors, row ``i * G + g``.
-    """
+    """Vectors [n, G, dim] under `TurboQuant`: one `TQCodes` per channel set (all channels, or outliers at
+    low+1 bits then the rest), row i * G + g."""
 
     parts: tuple[TQCodes, ...]
     shape: tuple[int, int, int]
@@ -127,12 +121,8 @@ class TQTensor:
 
 
 class TurboQuant:
-    """TurboQuant-MSE at an integer or fractional rate over vectors ``[n, G, dim]``.
-
-    ``G`` groups (attention heads, input-channel blocks of a weight) share the rotations and
-    codebooks; at a fractional rate each group has its own outlier channels, ``outliers`` int
-    ``[G, n_outliers]`` (see :func:`choose_outliers`).
-    """
+    """TurboQuant-MSE at an integer or fractional rate over vectors [n, G, dim]; `G` groups share rotations
+    and codebooks, each with its own `outliers` [G, n_outliers] at a fractional rate."""
 
     def __init__(
         self, dim: int, rate: float, seed: int = 0, outliers: np.ndarray | None = None, rounds: int = 3

@@ -73,11 +73,8 @@ class RequireApiKey:
 
 
 class LimitBody:
-    """Rejects request bodies over `max_bytes` with 413, by Content-Length or while reading.
-
-    The body is read here in full (at most `max_bytes`) and replayed to the app, so a chunked upload
-    cannot exceed the limit either.
-    """
+    """Rejects request bodies over `max_bytes` with 413, by Content-Length or while reading (the body is
+    read here, then replayed), so chunked uploads are bounded too."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app

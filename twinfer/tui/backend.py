@@ -43,11 +43,8 @@ class ModelInfo:
 
 
 class ChatBackend(Protocol):
-    """A loaded model the app can chat with. Called from the app's event loop only.
-
-    `start` returns the request's stream (its last output has `finished=True`); `abort` ends a
-    request early: its stream then finishes with finish_reason "abort" and its KV is freed.
-    """
+    """A loaded model the app can chat with, called from its event loop only: `start` returns a request's
+    stream, `abort` ends it early (finish_reason "abort", KV freed)."""
 
     info: ModelInfo
     tokenizer: Any

@@ -49,11 +49,8 @@ def chat_messages(system: str, messages: Sequence[Message]) -> list[dict[str, st
 
 
 def build_prompt(tokenizer: Any, conversation: Conversation, use_template: bool, budget: int) -> Prompt:
-    """Encode the conversation for its next reply in at most `budget` tokens.
-
-    The history must end with a user message. Raises RequestError when even the last message alone
-    (with the system prompt) does not fit.
-    """
+    """Encode the conversation (ending with a user message) for its next reply in at most `budget`
+    tokens; RequestError when even the last message with the system prompt does not fit."""
     messages = list(conversation.messages)
     if not messages or messages[-1].role != "user":
         raise RequestError("the conversation must end with a user message to get a reply")

@@ -21,11 +21,8 @@ NEWLINE_KEYS = ("shift+enter", "ctrl+j")
 
 
 class ChatInput(TextArea):
-    """The prompt box. Enter sends; Shift+Enter (or Ctrl+J) inserts a newline.
-
-    In multiline mode (Ctrl+T) Enter inserts a newline and Alt+Enter sends, for pasting and
-    writing longer prompts in terminals that cannot tell Shift+Enter from Enter.
-    """
+    """The prompt box: Enter sends, Shift+Enter (or Ctrl+J) inserts a newline; multiline mode (Ctrl+T)
+    swaps them (Alt+Enter sends) for terminals that cannot tell Shift+Enter apart."""
 
     BINDINGS = [Binding("ctrl+t", "toggle_multiline", "Multiline", show=True)]
 

@@ -103,12 +103,8 @@ class Fp8Linear:
         return self.codes.float() * self.scale
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] in x's dtype (TorchOps.linear calls non-tensor weights this way).
-
-        A decode step's few rows on a capable GPU go to the FP8-weight kernel (kernels/fp8_gemm.py says
-        how many), which keeps the activations in 16 bits; more rows quantize them per row for
-        `torch._scaled_mm`.
-        """
+        """x [T, in] -> [T, out] in x's dtype: a decode step's few rows go to the FP8-weight kernel on a
+        capable GPU (activations in 16 bits), more rows to `torch._scaled_mm` with per-row quantization."""
         native = fp8_supported(x.device)
         small = _small_rows_kernel() if native and x.dim() == 2 else None
         if small is not None and small.takes(x.shape[0]):

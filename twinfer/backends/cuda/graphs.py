@@ -46,11 +46,8 @@ def is_pure_decode(batch: StepBatch) -> bool:
 
 
 def pad_decode_batch(batch: StepBatch, bucket: int, scratch_block: int) -> StepBatch:
-    """`batch` (one token per chunk) padded to `bucket` chunks, every chunk wanting its row of logits.
-
-    A padding chunk is token 0 at position 0 of the scratch block: it writes only there and attends
-    only to itself, so it cannot change a real row.
-    """
+    """`batch` (one token per chunk) padded to `bucket` chunks; a padding chunk is token 0 at position 0 of
+    the scratch block, so it writes and reads only there and cannot change a real row."""
     n = len(batch.chunks)
     if n > bucket:
         raise ValueError(f"{n} sequences do not fit a decode bucket of {bucket}")
@@ -72,11 +69,8 @@ class _Graph:
 
 
 class TorchRunner(OpsRunner):
-    """The torch backend's runner: eager steps, and CUDA-graph replays of decode steps on a GPU.
-
-    With `padded_steps` the KV cache holds one block more than `kv` reports (block `kv.num_blocks`):
-    padding rows' scratch. Without it there are no graphs and no `step_padded`.
-    """
+    """The torch backend's runner: eager steps, and CUDA-graph replays of decode steps on a GPU. With
+    `padded_steps` the cache holds one more block than `kv` reports: the padding rows' scratch."""
 
     def __init__(self, spec: ModelSpec, ops: TorchOps, weights: dict[str, Any], kv: KVLayout, *,
                  cuda_graphs: bool = True, max_graph_batch: int = DEFAULT_MAX_GRAPH_BATCH, padded_steps: bool = True):

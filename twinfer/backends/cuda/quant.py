@@ -90,12 +90,8 @@ def fp4_values(packed: torch.Tensor) -> torch.Tensor:
 
 
 class TorchPackedLinear:
-    """A published FP8 / NVFP4 / MXFP4 weight kept in its format on the device (the datacenter target).
-
-    `dense()` rebuilds the [out, in] weight in the compute dtype; a matmul without a native kernel
-    for the format dequantizes on the fly, so only the packed bytes stay resident. Per-tensor and
-    per-channel FP8 run `torch._scaled_mm` where the GPU has FP8 tensor cores (formats.Fp8Linear's path).
-    """
+    """A published FP8 / NVFP4 / MXFP4 weight kept packed on the device (the datacenter target): `dense()`
+    rebuilds it; matmuls without a native kernel dequantize on the fly; FP8 runs `torch._scaled_mm`."""
 
     def __init__(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype):
         p, self.fmt, self.shape, self.dtype = qw.packed, qw.fmt, qw.shape, dtype
@@ -192,11 +188,8 @@ def torch_weight(qw: QuantizedWeight | QuantizedExperts, device: torch.device, d
 
 # -- KV cache --------------------------------------------------------------------------------------
 class TorchCodePacking:
-    """Rows of `n` codes of `bits` bits <-> uint8 `[..., packed_width(n, bits)]` (formats/bitpack.py's layout).
-
-    Each run of `G` codes (`code_group`) becomes one integer word `sum_j code_j << bits*j`, written out as
-    its `W` little-endian bytes; the row is zero-padded to whole runs. Words are int32 up to 3 bytes.
-    """
+    """Rows of `n` codes of `bits` bits <-> uint8 `[..., packed_width(n, bits)]` (formats/bitpack.py's
+    layout), a run of `code_group` codes per little-endian word."""
 
     def __init__(self, bits: int, n: int, device: torch.device):
         self.bits, self.n = bits, n

@@ -66,18 +66,10 @@ def _sibling(lib: ModuleType, stem: str) -> ctypes.CDLL | None:
 
 
 def attach_threadpool(lib: ModuleType, ctx: Any, n_threads: int) -> Callable[[], None] | None:
-    """Give the context a persistent ggml CPU thread pool, as `llama-server` and `llama-bench` do
-    (common.cpp, `llama_attach_threadpool`); returns what frees it, to call after `llama_free`.
-
-    Without one, ggml makes a disposable pool for every graph it computes. In a build with OpenMP (these
-    Linux wheels) that is a small allocation: one-token decode through the runner measured 1.007x and
-    1.038x with the pool (medians of 20 and 12 interleaved pairs, Gemma 3 270M, 2 threads), a bare ctypes
-    loop 1.00x. In a build without OpenMP (Apple clang has none) ggml starts and joins its worker threads
-    on every `llama_decode`: a non-OpenMP build of the same llama.cpp measured 1.013x and 1.014x through the
-    runner and 1.06x in the bare loop. None where this llama.cpp does not expose what it takes (the pool
-    is then ggml's own, as before). The parameters are ggml's defaults, written by
-    `ggml_threadpool_params_init` into a buffer larger than the struct, so its layout is never read here.
-    """
+    """Give the context a persistent ggml CPU thread pool, as `llama-server` and `llama-bench` do;
+    returns what frees it, to call after `llama_free` (None where this llama.cpp lacks the calls). A
+    build without OpenMP otherwise starts and joins its threads every `llama_decode` (docs/benchmarks.md,
+    "A persistent ggml thread pool"); the params buffer is oversized so its layout is never read here."""
     api = _threadpool_api(lib)
     if api is None:
         return None
@@ -142,11 +134,8 @@ def versions(lib: ModuleType) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class MemoryOps:
-    """The KV-cache calls of one context, whatever the installed llama.cpp calls them.
-
-    `seq_rm(seq, p0, p1)` removes positions [p0, p1) (p1 < 0: to the end) and returns False when a
-    partial removal is impossible; `seq_pos_max(seq)` is -1 for an empty sequence.
-    """
+    """The KV-cache calls of one context, whatever the installed llama.cpp calls them; `seq_rm` returns
+    False when a partial removal is impossible, `seq_pos_max` is -1 for an empty sequence."""
 
     api: str  # "llama_memory", "llama_kv_self" or "llama_kv_cache"
     seq_rm: Callable[[int, int, int], bool]

@@ -80,11 +80,8 @@ def _libc() -> ctypes.CDLL:
 
 
 def deny_amx() -> bool:
-    """Make AMX tile-state requests fail in every thread of this process (and its children), for good.
-
-    True once the filter is in place. Must run before llama.cpp first enumerates its CPU buffer types
-    (its first model load); a permission granted earlier stays granted, but ggml asks again itself.
-    """
+    """Make AMX tile-state requests fail in every thread of this process and its children, for good; True
+    once in place. Must run before llama.cpp's first model load."""
     if not supported_os():
         return False
     libc = _libc()

@@ -68,13 +68,9 @@ class LlamaCppOptions:
 def options_for_mode(mode: RunMode, *, n_ctx: int, max_seqs: int, n_threads: int | None = None,
                      kv_type: str | None = None, streams: bool = False,
                      placement: Placement | None = None) -> LlamaCppOptions:
-    """The runner options for `mode`; `streams` asks for a KV stream per sequence (`--kv-layout`);
-    `placement` is a plan's, whose KV type is the cache's unless `kv_type` names one.
-
-    Batch-invariant runs always get streams: in one shared cache a sequence's cells land wherever the
-    others left room, and llama.cpp's attention sums a sequence's cells in cell order. Only "fast"
-    repacks the weights, whose 4-row GEMM tiles make a row's logits depend on its place in the batch.
-    """
+    """The runner options for `mode`; `streams`: a KV stream per sequence; `placement`: a plan's (its KV
+    type unless `kv_type`). Batch-invariant runs always get streams, and only "fast" repacks weights
+    (both for exactness: docs/architecture.md, "The runner contract")."""
     if mode not in RUN_MODES:
         raise ValueError(f"llama.cpp runner: mode {mode!r} is not one of {', '.join(RUN_MODES)}")
     kv = kv_type or (placement.kv_type if placement is not None else "f16")

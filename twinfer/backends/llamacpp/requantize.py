@@ -17,12 +17,8 @@ _GGML_IDS = {name: tid for tid, name in GGML_TYPES.items()}
 
 def requantize_gguf(src: Path, mix: str, ftype: str, threads: int | None = None,
                     embed_type: str | None = None) -> Path:
-    """`src` requantized to `mix` (llama.cpp's `LLAMA_FTYPE_<ftype>`), cached in `cache_dir("requant")`.
-
-    `embed_type` (a ggml type name: "q4_0", "q5_0", "q6_k", "q8_0"...) is the type of the token embedding
-    and the output matrix (one tensor when they are tied); None keeps llama.cpp's choice, which for a tied
-    embedding is the output's type (Q6_K, or Q8_0 where Q6_K blocks do not divide the rows).
-    """
+    """`src` requantized to `mix` (llama.cpp's `LLAMA_FTYPE_<ftype>`), cached in `cache_dir("requant")`;
+    `embed_type` sets the embedding/output type (None: llama.cpp's choice)."""
     lib = load_llama_cpp()
     cache = cache_dir("requant")
     cache.mkdir(parents=True, exist_ok=True)
@@ -76,12 +72,8 @@ EMBED, OUTPUT = "token_embd.weight", "output.weight"
 
 
 def _streamed_embedding(src: Path, embed: str) -> dict[str, int]:
-    """The embedding/output tensors to re-encode after llama.cpp, block by block, with their source types.
-
-    llama.cpp converts a whole tensor to float32 before quantizing it (671 MB for a 262k x 640 embedding,
-    past the budget it is planning for); asked to keep the tensor's own type it copies it instead, and
-    `retype_gguf` converts it a few MB of rows at a time. Types gguf-py cannot encode stay with llama.cpp.
-    """
+    """The embedding/output tensors to re-encode after llama.cpp, with their source types: llama.cpp
+    copies them and `retype_gguf` converts a few MB of rows at a time, so memory stays under budget."""
     from twinfer.quant.gguf_retype import can_retype
     from twinfer.quant.gguf_rewrite import TypedGGUF
 

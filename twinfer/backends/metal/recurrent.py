@@ -1,10 +1,5 @@
-"""Linear-attention layers on MLX: the torch backend's state pools (backends/cuda/recurrent.py) over mx.array.
-
-Each LINEAR layer holds conv [slots, K-1, Ch] in the model's dtype and delta [slots, Hv, Dk, Dv] in
-float32, one slot per sequence (`runtime.kv.recurrent.StateSlots`). A step gathers its sequences'
-slots, runs their tokens in order over the padded [B, Tq] view (padding never updates a state) and
-scatters the new states back; `MlxOps.to_host` evaluates them with the logits.
-"""
+"""Linear-attention layers on MLX: the torch backend's state pools (backends/cuda/recurrent.py) over
+mx.array; a step gathers its sequences' slots, runs their tokens, scatters the states back."""
 
 from __future__ import annotations
 

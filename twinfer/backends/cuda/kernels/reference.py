@@ -18,11 +18,8 @@ def rms_norm_residual_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tens
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                                scale: float, window: int | None = None) -> torch.Tensor:
-    """One query per sequence over its paged KV.
-
-    q [B, H, D]; k_cache/v_cache [slots, Hkv, D] (slot = block * block_size + offset);
-    block_tables [B, max_blocks]; context_lens [B] (the query sits at position len - 1) -> [B, H, D].
-    """
+    """One query per sequence over its paged KV: q [B, H, D]; k/v_cache [slots, Hkv, D]; block_tables
+    [B, max_blocks]; context_lens [B] (query at len - 1) -> [B, H, D]."""
     B, H, D = q.shape
     Hkv = k_cache.shape[1]
     out = torch.empty_like(q)

@@ -32,13 +32,9 @@ class ParallelConfig:
             raise PlanError(f"ep_dispatch {self.ep_dispatch!r} is not one of {', '.join(EP_DISPATCH)}")
 
     def ep_all_to_all(self, num_tokens: int, top_k: int) -> bool:
-        """Whether a MoE layer over `num_tokens` tokens dispatches by all-to-all instead of one all-reduce.
-
-        Attention is replicated across a stage, so the all-to-all path moves about (2 k tp / n + 1) T C
-        values per rank (dispatch, return, all-gather of the token slices) against 2 T C for the all-reduce,
-        and costs four collectives and a host sync instead of one. "auto" takes it only where it moves
-        fewer bytes (n > 2 k tp) and the step is large enough for bytes, not latency, to decide.
-        """
+        """Whether a MoE layer over `num_tokens` tokens dispatches by all-to-all instead of one all-reduce:
+        "auto" takes it only where it moves fewer bytes (n > 2 k tp) and the step is large enough for
+        bytes, not latency, to decide (docs/parallelism.md)."""
         if self.stage_size == 1 or self.ep_dispatch == "all_reduce" or num_tokens == 0:
             return False
         if self.ep_dispatch == "all_to_all":

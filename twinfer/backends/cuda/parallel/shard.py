@@ -43,11 +43,8 @@ class Part:
 
 
 class WeightReader(Protocol):
-    """Where a rank reads weights: a loader's `WeightSet`, or `HostWeights` (arrays in memory, tests).
-
-    `ShardedModel` asks `shape` of every name, then calls `load` (replicated weights) or
-    `load_region` (everything split) once for each weight its stage holds, and nothing else.
-    """
+    """Where a rank reads weights: a loader's `WeightSet` or `HostWeights` (tests); `ShardedModel` calls
+    `shape`, then `load` or `load_region` once per weight its stage holds."""
 
     def names(self) -> list[str]: ...
 
