@@ -70,7 +70,12 @@ class TransformersSource:
         if path.is_file():
             kwargs["gguf_file"] = path.name
             path = path.parent
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+        except ValueError:  # a multimodal checkpoint (Kimi K2.5) has only the image-text class; text in, logits out
+            from transformers import AutoModelForImageTextToText
+
+            self.model = AutoModelForImageTextToText.from_pretrained(str(path), **kwargs).eval()
         self._torch = torch
 
     def logits(self, tokens: list[int]) -> np.ndarray:
