@@ -1,9 +1,7 @@
 """`--memory-budget`: ask for a local strategy that fits, apply it, and say what was chosen.
-
 llama.cpp: the planner picks weight format and KV type for a device whose memory is the budget
 (requantized by llama.cpp's quantizer; pruning only with `allow_pruning`). torch / MLX: exact byte
-counts decide here: default dtype, half precision, experts streamed at batch 1, then pruning.
-"""
+counts decide here: default dtype, half precision, experts streamed at batch 1, then pruning."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """`--memory-budget` on a GGUF MoE bigger than the budget: page its experts from the file, or requantize.
-
 Paging (lossless, reads from disk; backends/llamacpp/paging.py) and a requantized file that fits whole
-are scored as every plan is (speed discounted by expected KL); the summary names the winner and the other.
-"""
+are scored as every plan is (speed discounted by expected KL); the summary names the winner and the other."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """`twinfer cluster`: N `twinfer serve` replicas behind SGLang's Model Gateway (`smg`), on one port.
-
 Replicas publish vLLM-format KV events and load gauges; each child runs in its own process group and
 dies with this process, so stopping leaves no orphans; every wait is bounded. Prefill/decode pools go
-to twinfer's proxy (app/pd.py) or the gateway's PD mode (docs/cluster.md).
-"""
+to twinfer's proxy (app/pd.py) or the gateway's PD mode (docs/cluster.md)."""
 
 from __future__ import annotations
 

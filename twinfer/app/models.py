@@ -175,7 +175,7 @@ def build_in_memory(backend: str, spec: ModelSpec, weights: Any, *, kv_tokens: i
 
 
 def llamacpp_options(loaded: LoadedModel, o: RunnerOptions) -> LlamaCppOptions:
-    """llama.cpp's options for `o`: the KV layout resolved on this host, the rest by the mode's policy."""
+    """llama.cpp's options for `o`: the KV layout resolved for this machine, the rest by the mode's policy."""
     from twinfer.backends.llamacpp.options import options_for_mode
     from twinfer.backends.llamacpp.runner import KV_TYPE_BYTES
 

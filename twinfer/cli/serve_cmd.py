@@ -77,9 +77,8 @@ def run_serve(options: ServeOptions) -> None:
 
         open_session(o.open)  # the worker serves its rank's steps inside, then exits
         return
-    # No core is left to the HTTP event loop: the engine hands each step's output over and waits for the
-    # loop to write it before computing the next step (AsyncEngine), so the loop never preempts a
-    # compute thread mid-step, where a spinning pool (ggml, OpenMP) would stall at its next barrier.
+    # No core is left to the event loop: the engine waits for it to write each step's output, so the loop
+    # never preempts a compute thread mid-step.
     aliases = tuple(a for a in (o.open.model,) if a and a != o.name)
     guard = GuardConfig(enabled=o.loop_guard and o.repetition_guard == "on", retries=o.guard_retries)
     app = create_app(None, None, o.name, api_key=o.api_key or None, aliases=aliases,

@@ -1,8 +1,6 @@
 """Bit packing shared by the formats: b-bit codes <-> a little-endian byte stream.
-
 Code `i` of a row occupies bits `[i*b, (i+1)*b)` from the least significant bit of byte 0 (b = 4: low
-nibble first); `pack_rows` zero-pads rows to whole groups of `code_group` codes.
-"""
+nibble first); `pack_rows` zero-pads rows to whole groups of `code_group` codes."""
 
 from __future__ import annotations
 
@@ -51,9 +49,7 @@ def packed_width(n: int, bits: int) -> int:
 
 def pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
     """:func:`pack_bits` for rows of any length ``n``: uint8 ``[..., packed_width(n, bits)]``.
-
-    Each row is zero-padded to whole groups first; :func:`unpack_bits` with the row's ``n`` reads it back.
-    """
+    Each row is zero-padded to whole groups first; :func:`unpack_bits` with the row's ``n`` reads it back."""
     pad = -codes.shape[-1] % code_group(bits)[0]
     return pack_bits(np.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)]), bits)
 

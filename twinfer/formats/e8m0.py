@@ -1,7 +1,5 @@
 """E8M0, the block-scale type of MXFP4 (OCP MX spec v1.0, section 5.4.1): an unsigned power of two.
-
-A code is 8 exponent bits with bias 127: ``scale = 2**(code - 127)``; 255 is NaN. No sign, no mantissa.
-"""
+A code is 8 exponent bits with bias 127: ``scale = 2**(code - 127)``; 255 is NaN. No sign, no mantissa."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """FP8 E4M3 weights (OCP 8-bit floating point, the "fn" variant): per-tensor and 128x128 block scales.
-
 Encoding rounds to nearest even and saturates at +-448 (bit-identical to torch's float8_e4m3fn cast);
 `saturate=False` gives NaN instead. `FP8Tensor`: `w = decode(codes) * scale` (scalar or per channel);
-`FP8BlockTensor`: `scale_inv` per 128x128 tile (docs/quantization.md, "Layouts").
-"""
+`FP8BlockTensor`: `scale_inv` per 128x128 tile (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """MXFP4 (OCP Microscaling Formats spec v1.0): E2M1 values in 32-element blocks, E8M0 block scales.
-
 `blocks` uint8 [out, in / 32, 16] (even element in the low nibble, gpt-oss's layout), `scales` uint8
 [out, in / 32]: `w[r, 32*b + i] = e2m1(blocks[r, b])[i] * 2**(scales[r, b] - 127)`; quantization is the
-spec's reference recipe (docs/quantization.md, "Layouts").
-"""
+spec's reference recipe (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

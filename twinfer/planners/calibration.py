@@ -1,9 +1,7 @@
 """Efficiency factors: how much of the hardware's peak each engine reaches, per device class.
-
 Each factor is fitted to measurements in docs/planner-accuracy.md ("The cost model and its calibration")
 and can be overridden: `Calibration.load(path)` reads `{"llamacpp/cpu": {"bandwidth": 0.8, ...}, ...}`.
-Per-layer costs are GPU clock cycles: a decode step's small kernels are latency-bound.
-"""
+Per-layer costs are GPU clock cycles: a decode step's small kernels are latency-bound."""
 
 from __future__ import annotations
 

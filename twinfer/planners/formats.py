@@ -69,11 +69,8 @@ GGML_TYPES = {
 COMPONENTS = ("embed", "lm_head", "attn", "attn_v", "attn_out", "mlp", "mlp_down", "experts", "experts_down",
               "shared", "router", "norm")
 
-# K-quants and IQ types pack rows in super-blocks of QK_K weights; a tensor whose row length (ne[0], the
-# input dim) is not a multiple gets another type from llama.cpp's quantizer (llama-quant.cpp,
-# `convert_incompatible_tensor`, `tensor_type_fallback` in newer versions). Q2_K/Q3_K go to Q4_0 in the
-# llama.cpp installed here (older versions chose IQ4_NL): requantizing Gemma 3 270M (hidden 640) to
-# Q2_K and Q3_K_M wrote Q4_0, and IQ4_XS wrote IQ4_NL, for every projection with 640 inputs.
+# K-quants and IQ types pack rows in super-blocks of QK_K weights; llama.cpp's quantizer gives a tensor
+# whose row length is not a multiple another type (`convert_incompatible_tensor`; docs/quantization.md)
 QK_K = 256
 KQUANT_FALLBACK = {
     "q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
@@ -144,10 +141,8 @@ def _gguf(name: str, default: str, v_down: tuple[tuple[str, float], ...] | None,
     return Mix(name, default, tuple(parts), label=name.upper(), engines=("llamacpp",), writer="llamacpp")
 
 
-# llama.cpp's mixes (src/llama-quant.cpp, `llama_tensor_get_type`): output.weight in Q6_K for most
-# types (a tied token_embd is quantized as the output); `_M` types raise attn_v/ffn_down to a higher
-# type in about half the layers, except Q3_K_M: Q5_K in the first 1/16 of ffn_down (and the first two
-# attn_v), Q4_K in the rest and in attn_output. Q2_K writes attn_output in Q3_K.
+# llama.cpp's mixes as `llama_tensor_get_type` (src/llama-quant.cpp) writes them: output in Q6_K for most
+# types (a tied embedding as the output), `_M` types raising attn_v/ffn_down in about half the layers.
 MIXES: dict[str, Mix] = {m.name: m for m in [
     Mix("bf16", "bf16", label="BF16"),
     Mix("f16", "f16", label="F16", engines=("llamacpp", "torch", "mlx")),
@@ -184,9 +179,8 @@ MIXES: dict[str, Mix] = {m.name: m for m in [
 ]}
 
 
-# Types a llama.cpp requantization may give the token embedding and output matrix (`with_embed`): on a
-# small model with a large vocabulary (Gemma 3 270M: 63% of the weights, a tied Q8_0 table) it is the
-# one lever that saves much, since llama.cpp otherwise keeps a tied embedding at the output's type.
+# Types a llama.cpp requantization may give the token embedding and output matrix (`with_embed`): the one
+# lever on a small model with a large tied vocabulary (docs/quantization.md, "The embedding is the lever").
 EMBED_TYPES = ("q6_k", "q5_0", "q4_0")
 
 

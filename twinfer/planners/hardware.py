@@ -246,9 +246,7 @@ def find(name: str, devices: dict[str, Device], nodes: dict[str, NodeShape]) -> 
 
 def lookup(name: str, devices: dict[str, Device], nodes: dict[str, NodeShape]) -> tuple[Device, NodeShape | None]:
     """Find a device or node shape by name; `NAME@64` (or `@64GB`) picks a memory size where a row offers several.
-
-    Raises PlanError listing close matches when nothing matches.
-    """
+    Raises PlanError listing close matches when nothing matches."""
     base, _, mem = name.partition("@")
     hit = find(base, devices, nodes)
     if hit is None:

@@ -13,9 +13,8 @@ from twinfer.planners.model import ModelProfile
 # a local run's interpreter, libraries and allocator slack (twinfer's session before a model opens: ~0.1 GB)
 LOCAL_OVERHEAD = 0.15e9
 RUNTIME_OVERHEAD = {"llamacpp": 0.3e9, "torch": 1.0e9, "mlx": 0.3e9}  # CUDA context, graphs, allocator slack
-# Runners whose cache keeps sliding-window layers at full length: twinfer's llama.cpp runner sets
-# `swa_full` so rollback and prefix copies stay exact; the torch and MLX runners page every layer's
-# KV through the same block tables, so each layer holds every token.
+# Runners whose cache keeps sliding-window layers at full length (llama.cpp's `swa_full`; torch and MLX
+# page every layer through the same block tables).
 FULL_LENGTH_KV = frozenset({"llamacpp", "torch", "mlx"})
 LLAMACPP_CELLS = 256  # llama.cpp allocates its KV cache in multiples of this many cells
 

@@ -1,9 +1,7 @@
 """Where llama.cpp puts a local plan's weights, and whether the installed llama.cpp build can put them there.
-
 A `Placement` is the plan in llama.cpp's terms (`n_gpu_layers`, `--n-cpu-moe N`), applied by the runner
 as it loads; a build without the device's backend refuses (`build_refusal`) (docs/architecture.md, "The
-runner contract").
-"""
+runner contract")."""
 
 from __future__ import annotations
 

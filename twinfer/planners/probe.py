@@ -1,8 +1,6 @@
 """The hardware probe: the one part of the planner that asks the machine anything.
-
 NVIDIA GPUs through nvidia-ml-py, Apple silicon through sysctl/ioreg, Linux CPUs through /proc. A device
-in the published table keeps the table's peaks; `measure_*` time real copies, cached per machine.
-"""
+in the published table keeps the table's peaks; `measure_*` time real copies, cached per machine."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """llama.cpp's CUDA scoreboard as the planner's test: replay it, fit the GPU factors on part of it, score the rest.
-
 Data: docs/data/llamacpp-cuda-scoreboard.json (rows marked `train`, `held_out` or `excluded`); run
-`python -m twinfer.planners.scoreboard docs/data/llamacpp-cuda-scoreboard.json`.
-"""
+`python -m twinfer.planners.scoreboard docs/data/llamacpp-cuda-scoreboard.json`."""
 
 from __future__ import annotations
 

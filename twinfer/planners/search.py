@@ -1,10 +1,8 @@
 """Strategy search: enumerate the ways to run a model on a cluster, price each, keep the fastest that fits.
-
 Fidelity first, in passes: good formats without pruning, then lossier ones, pruning last. A datacenter
 target considers only native formats and never falls back to dequantizing ones. Within a pass the
 fastest plan wins after a KL discount (`score`); a format the user names is honoured wherever a runner
-runs it (docs/architecture.md, "The planner's cost model").
-"""
+runs it (docs/architecture.md, "The planner's cost model")."""
 
 from __future__ import annotations
 

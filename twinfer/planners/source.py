@@ -56,9 +56,7 @@ def _format_name(dtype: str) -> str:
 
 def profile_from_loaded(loaded: Any, name: str = "") -> ModelProfile:
     """Count parameters and stored bytes per component from a loader's `LoadedModel`.
-
-    The stored mix carries exact bits per component, so `weight_bytes` equals the file's tensor bytes.
-    """
+    The stored mix carries exact bits per component, so `weight_bytes` equals the file's tensor bytes."""
     w = loaded.weights
     params: dict[str, float] = {}
     stored: dict[str, float] = {}

@@ -1,9 +1,7 @@
 """Affine (asymmetric, grouped) integer weights in MLX's exact layout, bit-identical to `mx.quantize`.
-
 For `w` float32 [out, in], bits in {2, 4, 8}, group_size g in {32, 64, 128}: `wq` uint32
 [out, in * bits / 32] (lowest bits first), `scales`, `biases` float32 [out, in / g], and
-`w[r, c] ~= scales[r, c // g] * q[r, c] + biases[r, c // g]` (docs/quantization.md, "Layouts").
-"""
+`w[r, c] ~= scales[r, c // g] * q[r, c] + biases[r, c // g]` (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ class KernelFloor:
                 f"({NOISE_MARGIN:g}x)")
 
 
-# llama.cpp's CPU matmuls quantize activations to 8 bits: against fp32 on the same dequantized weights,
-# Gemma 3 270M Q4_K_M moved by mean KL 0.0063 (`twinfer doctor`, llama.cpp stage against torch fp32)
+# llama.cpp's CPU matmuls quantize activations to 8 bits; this floor is the default model's mean KL against
+# fp32 on the same weights (`twinfer doctor`)
 LLAMA_CPP_CPU = KernelFloor(0.0063, "declared: llama.cpp CPU kernels, 8-bit activations in their matmuls, "
                                     "measured against fp32 on Gemma 3 270M Q4_K_M by twinfer doctor")
 DECLARED: dict[str, KernelFloor] = {"llama.cpp CPU kernels": LLAMA_CPP_CPU}

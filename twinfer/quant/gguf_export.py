@@ -1,9 +1,7 @@
 """Export a `twinfer quantize` folder made from a GGUF file as one GGUF file llama.cpp runs.
-
 Only formats a GGUF type holds as they are: int4 -> Q4_1 (scale and bias rounded to float16, the only
 change, `GGUFExport.max_abs_change`), mxfp4 -> MXFP4. int8 refuses unless `int8_as_q8_0` (lossy);
-TurboQuant, FP8 and NVFP4 refuse. Every other tensor and key is the source's, bytes unchanged.
-"""
+TurboQuant, FP8 and NVFP4 refuse. Every other tensor and key is the source's, bytes unchanged."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Re-encode named tensors of a GGUF file to another ggml type, a block of rows at a time.
-
 llama.cpp's quantizer widens a whole tensor to float32 first (671 MB for the default model's embedding);
-rows are independent in every ggml block format, so ~16 MB of rows at a time gives the same bytes.
-"""
+rows are independent in every ggml block format, so ~16 MB of rows at a time gives the same bytes."""
 
 from __future__ import annotations
 

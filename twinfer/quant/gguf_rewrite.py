@@ -1,8 +1,6 @@
 """Rewrite a GGUF file: copy its metadata and tensors, changing what the caller asks.
-
 The one copy loop behind `twinfer prune` and `twinfer quantize --gguf`: metadata from twinfer's own
-parser (fast on large vocabularies), written with `gguf.GGUFWriter` to a temporary name, then moved.
-"""
+parser (fast on large vocabularies), written with `gguf.GGUFWriter` to a temporary name, then moved."""
 
 from __future__ import annotations
 

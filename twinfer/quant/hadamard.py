@@ -1,9 +1,7 @@
 """Seeded random rotation as fast Walsh-Hadamard transforms with random sign flips.
-
 `R = H S_k ... H S_1`, `H` the orthonormal Sylvester Hadamard matrix of size D (a power of two; other
 sizes are zero-padded), `S_i = diag(signs[i])`. Three rounds by default: one round maps a one-hot vector
-far from TurboQuant's assumed law (docs/quantization.md, "Layouts"). Backends rebuild it from `signs`.
-"""
+far from TurboQuant's assumed law (docs/quantization.md, "Layouts"). Backends rebuild it from `signs`."""
 
 from __future__ import annotations
 

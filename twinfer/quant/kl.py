@@ -1,8 +1,6 @@
 """KL divergence of next-token distributions: how faithfully a candidate serves a reference.
-
 Both sides score the same token stream, teacher-forced; the statistics follow llama.cpp's
-`llama-perplexity --kl-divergence` (mean, median, p99, max, same top token, RMS delta p).
-"""
+`llama-perplexity --kl-divergence` (mean, median, p99, max, same top token, RMS delta p)."""
 
 from __future__ import annotations
 

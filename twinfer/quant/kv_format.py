@@ -1,9 +1,7 @@
 """KV-cache formats the torch and MLX backends run: TurboQuant per head, optionally QJL keys.
-
 `tq<rate>`: keys and values by TurboQuant-MSE at `rate` bits (fractional rates pick outlier channels
 from a layer's first block); `tq<bits>-qjl`: keys by TurboQuant-prod; `tq<rate>c`: each head's mean key
-and value subtracted first (docs/quantization.md, "Layouts").
-"""
+and value subtracted first (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

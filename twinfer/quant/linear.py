@@ -1,9 +1,7 @@
 """Quantized linear weights: one container for every registry format, and its flat tensor layout.
-
 A `QuantizedWeight` is what a quantized model hands `Ops.weight`: format name, logical [out, in] shape
 and the format's packed object. Backends choose a run-time path by `fmt` and fall back to
-`dequantize`; `to_tensors`/`from_tensors` round-trip it bit for bit.
-"""
+`dequantize`; `to_tensors`/`from_tensors` round-trip it bit for bit."""
 
 from __future__ import annotations
 

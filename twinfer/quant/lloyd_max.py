@@ -1,8 +1,6 @@
 """Lloyd-Max scalar codebooks for one coordinate of a randomly rotated unit vector.
-
 Codebooks are in units of the coordinate's standard deviation (`z = x * sqrt(d)`), so one table serves
-every norm; `distortion` is E[(z - Q(z))^2], TurboQuant's D_mse for a unit vector.
-"""
+every norm; `distortion` is E[(z - Q(z))^2], TurboQuant's D_mse for a unit vector."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Quantize a loaded model's weights in memory, and write a quantized model folder.
-
 `quantizable` lists every decoder layer's 2-D projection; embeddings, norms and expert stacks stay.
 `QuantizedView` serves assigned names as `QuantizedWeight`; `write_quantized` writes a folder
-`runtime.loaders.load_model` opens on every Ops backend.
-"""
+`runtime.loaders.load_model` opens on every Ops backend."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Pruning: remove the transformer blocks (and MoE experts) that change the model least.
-
 Layers are ranked by `kl` (default: greedy, the removal with least KL(original || pruned) each round) or
 `influence` (ShortGPT's block influence, one pass but local); experts per layer by the routing mass they
-receive. The pruned model is written in the input's format (docs/quantization.md, "Pruning").
-"""
+receive. The pruned model is written in the input's format (docs/quantization.md, "Pruning")."""
 
 from __future__ import annotations
 

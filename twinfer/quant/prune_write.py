@@ -1,8 +1,6 @@
 """Write a pruned model in the format it came in, copying the kept tensors' stored bytes unchanged.
-
 GGUF: kept blocks renumbered, per-layer metadata follows, the sliding/full pattern written per layer.
-Hugging Face folders: renumbered shards, config.json with the new counts and explicit `layer_types`.
-"""
+Hugging Face folders: renumbered shards, config.json with the new counts and explicit `layer_types`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """TurboQuant-prod: an unbiased inner-product quantizer (arXiv 2504.19874, Algorithm 2).
-
 `b - 1` bits of TurboQuant-MSE plus a 1-bit QJL sketch of the residual: `signs` uint8 [n, ceil(dim/8)]
 (bit j, little-endian, is `S r >= 0`) and `res_norms` float16 [n]; the estimate
-`<y, x_mse> + ||r|| sqrt(pi/2) / dim <S y, signs>` is unbiased (docs/quantization.md, "Layouts").
-"""
+`<y, x_mse> + ||r|| sqrt(pi/2) / dim <S y, signs>` is unbiased (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

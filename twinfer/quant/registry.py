@@ -1,8 +1,6 @@
 """The weight formats twinfer can produce, their storage cost, and where they run natively.
-
 `bits_per_weight` counts codes plus amortized scales, biases and norms at a served checkpoint's sizes.
-"Native": tensor cores consume the format directly; everything else pays a dequantization loop.
-"""
+"Native": tensor cores consume the format directly; everything else pays a dequantization loop."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """`twinfer eval kl --candidate URL`: how faithfully an OpenAI-compatible endpoint serves a model.
-
 The endpoint scores the reference's token stream through the completions API (prompt logprobs, or one
 position per request); KL comes from its top k (quant/topk_kl.py), and the verdict weighs it against a
-kernel floor (quant/allowance.py). Tokenizers must agree on the corpus first.
-"""
+kernel floor (quant/allowance.py). Tokenizers must agree on the corpus first."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Choose a weight format per tensor that minimizes measured KL at a bits-per-weight budget.
-
 Measure each group's KL alone, solve the multiple-choice knapsack on the sum, then keep only the moves
 that lower the *measured* KL of the whole assignment (docs/quantization.md). `KLProbe` measures on the
-torch backend in float32 by swapping dequantized weights into one runner.
-"""
+torch backend in float32 by swapping dequantized weights into one runner."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """KL against a distribution known only by its top k: what an OpenAI-compatible endpoint returns.
-
 Two estimates of KL(p || q): the tail bucket (a lower bound: the rest of the vocabulary as one outcome)
 and, by default, that bound plus `p_tail * sigma^2 / 2` from a censored (Tobit) Gaussian fit of the
 log-ratios. Exact when nothing is truncated, zero for an identical candidate (docs/quantization.md,
-"Layouts").
-"""
+"Layouts")."""
 
 from __future__ import annotations
 

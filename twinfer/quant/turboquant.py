@@ -1,10 +1,8 @@
 """TurboQuant (Zandieh, Daliri, Hadian, Mirrokni, arXiv 2504.19874): rotate, then scalar-quantize.
-
 Each vector is its norm plus, per rotated coordinate, a Lloyd-Max code; fractional rates split channels
 into an outlier set at `floor(rate) + 1` bits and the rest at `floor(rate)`. Per channel set: `codes`
 uint8 [n, D * bits / 8] (little-endian), `norms` float16 [n]; decode `R^T (centroids[codes] * norm /
-sqrt(D))` (docs/quantization.md, "Layouts").
-"""
+sqrt(D))` (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

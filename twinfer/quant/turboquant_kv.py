@@ -1,9 +1,7 @@
 """TurboQuant for the KV cache: quantize blocks [tokens, heads, head_dim], each head's vector alone.
-
 One rotation and codebook per channel set; outlier channels per head at fractional rates
 (`TurboQuantKV.calibrate`). Scores stay rotated: `q . k = (R q) . (R k)`. `inner_product=True` codes
-keys by TurboQuant-prod (unbiased `q . k`, more variance).
-"""
+keys by TurboQuant-prod (unbiased `q . k`, more variance)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """TurboQuant for weights: rotate input channels, quantize rows, rotate activations at run time.
-
 `W [out, in]` is cut into input blocks (the largest power of two dividing `in`, up to 128); each
 (row, block) is one TurboQuant vector. `y = sum_g (R x_g) . (R W_g)`: `matmul` is the reference a
-backend fuses into its GEMM.
-"""
+backend fuses into its GEMM."""
 
 from __future__ import annotations
 

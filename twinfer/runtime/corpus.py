@@ -1,8 +1,6 @@
 """The two test corpora every machine has: Python stdlib code and pydoc prose.
-
 Both are deterministic for a given Python version, so KL and bench numbers are comparable across
-runs on one machine.
-"""
+runs on one machine."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """User-facing errors: each one carries a message that says what was wrong and what to do.
-
 The CLI prints a `TwinferError` as one line and exits non-zero; anything else is a bug and keeps its
-traceback.
-"""
+traceback."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The Ops interface: the operations an architecture's forward pass is written over.
-
 Model files call these and nothing else that touches arrays, besides `+`, `*`, `.reshape` and basic
-slicing. Shapes: T tokens in the step, C hidden, H/Hkv query/KV heads, D head dim, E experts.
-"""
+slicing. Shapes: T tokens in the step, C hidden, H/Hkv query/KV heads, D head dim, E experts."""
 
 from __future__ import annotations
 
@@ -89,11 +87,9 @@ class Ops(Protocol):
         self, q: Array, k: Array, v: Array, ctx: StepContext, layer: int, sinks: Array | None = None
     ) -> Array:
         """Store k, v [T, Hkv, D] in layer's KV cache, then attend causally: q [T, H, D] -> [T, H, D].
-
         k and v None: attend over the cache as earlier layers left it (`ModelSpec.kv_source`). Each query
         sees its sequence's keys up to its position, within the layer's window; `sinks` [H] join every
-        softmax's denominator (gpt-oss).
-        """
+        softmax's denominator (gpt-oss)."""
         ...
 
     def latent_attention(

@@ -1,8 +1,6 @@
 """Rotary position embedding frequencies, computed once on the host for every backend.
-
 Backends build cos/sin from `inv_freq(spec, layer)`, scale by `attention_factor` (YaRN) and rotate the
-first `spec.rotary_dim` dims in the NeoX half-split layout; loaders permute interleaved checkpoints.
-"""
+first `spec.rotary_dim` dims in the NeoX half-split layout; loaders permute interleaved checkpoints."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The runner interface: `step(batch) -> logits for the rows to sample`.
-
 `OpsRunner` runs an architecture over a backend's Ops; whole-model runners (llama.cpp) compute alone.
 A runner declares what it needs from the scheduler: `kv`, `exact_shapes()`, `kv_sync(...)`
-(docs/architecture.md, "The runner contract").
-"""
+(docs/architecture.md, "The runner contract")."""
 
 from __future__ import annotations
 
@@ -25,12 +23,10 @@ from twinfer.runtime.spec import ModelSpec
 @dataclass(frozen=True)
 class KVLayout:
     """How a runner's KV cache is addressed.
-
     Paged runners hold `num_blocks` blocks of `block_size` positions and read block tables. Slot runners
     keep KV per `seq_id` (at most `max_seqs`, `num_blocks * block_size` cells in all); `seq_tokens` caps
     one sequence when each has its own cells, and then prefix reuse needs `copies_prefix`. `recurrent`:
-    a forward-only state per sequence, so no prefix reuse, no speculation, preemption recomputes.
-    """
+    a forward-only state per sequence, so no prefix reuse, no speculation, preemption recomputes."""
 
     block_size: int
     num_blocks: int
@@ -66,11 +62,9 @@ class ExactShapes:
 
 class KVSync:
     """Keeps a runner's KV storage in step with the engine's block accounting.
-
     Made by `Runner.kv_sync` for one engine and called from its thread at fixed points of every step.
     This base suits paged runners (does nothing); a per-sequence runner copies prefixes and keeps finished
-    sequences' blocks while it has room. Evicting nothing is always safe.
-    """
+    sequences' blocks while it has room. Evicting nothing is always safe."""
 
     def reusable(self, block_ids: list[int]) -> int:
         """How many leading blocks of a matched cached prefix a new sequence may start from."""
@@ -99,10 +93,8 @@ class KVSync:
 
 class Runner(ABC):
     """Computes logits for a StepBatch. Called by the engine from one thread, one step at a time.
-
     Rows come back in `batch.logit_token_index()` order as float32 [rows, vocab]; every chunk's KV is
-    stored before `step` returns. A chunk starting before the held positions overwrites from `start` on.
-    """
+    stored before `step` returns. A chunk starting before the held positions overwrites from `start` on."""
 
     spec: ModelSpec
     kv: KVLayout

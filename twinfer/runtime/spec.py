@@ -1,8 +1,6 @@
 """ModelSpec: the architecture of a model as plain numbers.
-
 Loaders (GGUF, Hugging Face) produce it, model files read it, the planner does its arithmetic on it.
-It holds no weights and imports nothing heavy.
-"""
+It holds no weights and imports nothing heavy."""
 
 from __future__ import annotations
 

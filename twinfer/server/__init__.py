@@ -1,7 +1,5 @@
 """The OpenAI-compatible HTTP server (`twinfer serve`) and its HTTP load driver (`twinfer bench --url`).
-
-FastAPI is imported only here, never by the engine: `from twinfer.server import create_app`.
-"""
+FastAPI is imported only here, never by the engine: `from twinfer.server import create_app`."""
 
 from twinfer.server.app import ServerState, create_app
 

@@ -1,8 +1,6 @@
 """`create_app`: the OpenAI-compatible HTTP server over an `AsyncEngine`, one model per app.
-
 Routes: docs/api.md. No global state: metrics, engine and drain state live on `app.state.twinfer`, so two
-apps can share one process. Outer layers, in order: request counting, the API key, the body-size limit.
-"""
+apps can share one process. Outer layers, in order: request counting, the API key, the body-size limit."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """The OpenAI generation routes' flow: check, prepare, submit, then answer as one JSON object or as SSE.
-
-Submission happens before any byte of the response is sent, so overload (429), draining (503) and
-engine rejections (a grammar that does not compile: 400) are ordinary error responses even for
-`stream: true`. A client that goes away aborts its request: the engine frees its KV blocks at once.
-"""
+Submission precedes the first byte, so 429, 503 and 400 stay ordinary errors even when streaming; a
+client that goes away aborts its request."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""From a validated request body to what the engine runs: prompt token ids and SamplingParams.
-
-Everything a user can get wrong is checked here, before the engine sees it: the chat template's
-verdict on the messages, an empty prompt, token ids outside the vocabulary, a prompt longer than
-the context window, a `max_tokens` that does not fit.
-"""
+"""From a validated request body to what the engine runs: prompt token ids and SamplingParams. Everything
+a user can get wrong (template verdict, empty prompt, bad ids, length, `max_tokens`) is checked here."""
 
 from __future__ import annotations
 
@@ -157,8 +153,7 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
         raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
     asked = getattr(req, "repetition_guard", None)
     if req.ignore_eos and asked is None:
-        # a client that ignores EOS asks for exactly max_tokens (benchmark traffic: vLLM's `bench serve`,
-        # genai-perf); the loop guard would end those streams early, just as EOS would have
+        # a client that ignores EOS asks for exactly max_tokens (benchmark traffic): the guard would cut it
         guard = replace(guard, enabled=False)
     guard = repetition_guard(guard, asked)
     temperature, top_p = req.temperature, req.top_p

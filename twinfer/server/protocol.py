@@ -1,8 +1,6 @@
 """OpenAI request bodies as pydantic models, with OpenAI's limits.
-
 Strict types; unknown fields ignored (as vLLM); fields twinfer cannot honour are rejected saying so.
-vLLM's and llama-server's extras that twinfer honours: docs/api.md.
-"""
+vLLM's and llama-server's extras that twinfer honours: docs/api.md."""
 
 from __future__ import annotations
 

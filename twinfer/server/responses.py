@@ -1,9 +1,5 @@
-"""OpenAI response objects (chat.completion, text_completion and their stream chunks) from engine outputs.
-
-`Follower` accumulates one choice's deltas (text through the output parser: content, reasoning, tool
-calls; tokens, logprobs, timings) and records its metrics when it finishes; `response` and the
-chunk builders turn followers into the JSON OpenAI clients parse.
-"""
+"""OpenAI response objects (chat.completion, text_completion and their stream chunks) from engine outputs:
+`Follower` accumulates one choice's deltas and metrics; `response` and the chunk builders render them."""
 
 from __future__ import annotations
 
@@ -125,10 +121,8 @@ class Follower:
         ], "refusal": None}
 
     def completion_logprobs(self, items: list[TokenLogprob] | None, prompt: bool = False) -> dict[str, Any] | None:
-        """OpenAI's legacy logprobs object of `items`, after the prompt's (`prompt`, for an echo with
-        logprobs: the first prompt token has no logprob). As vLLM builds it: each top_logprobs holds the
-        token itself, then the k most likely (k + 1 entries when it is not among them); where two ids
-        decode to one piece the dict keeps the piece once, with the later entry's logprob."""
+        """OpenAI's legacy logprobs object of `items` after the prompt's (echo), built as vLLM builds it
+        (each top_logprobs holds the token itself, then the k most likely)."""
         if items is None:
             return None
         rows: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []

@@ -65,9 +65,7 @@ def make_server(app: Any, host: str = "127.0.0.1", port: int = 8000, *, grace_s:
 
 class ServerThread:
     """An app served by uvicorn on a background thread (tests, embedding in other programs).
-
-    `port=0` lets the OS pick a free port; `url` is known once `start()` returns.
-    """
+    `port=0` lets the OS pick a free port; `url` is known once `start()` returns."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, grace_s: float = 30.0):
         import threading

@@ -1,9 +1,7 @@
 """CUDA graphs for pure-decode steps at batch-size buckets (1, 2, 4, ... up to `max_graph_batch`).
-
 One graph per bucket is captured on first use and replayed; real rows are padded to the bucket with rows
 that write a scratch block and whose logits are dropped. Prefill, mixed or oversized steps, CPUs,
-TurboQuant KV and the plain-torch kernels run eagerly; `step_padded` lets CPU tests check the padding.
-"""
+TurboQuant KV and the plain-torch kernels run eagerly; `step_padded` lets CPU tests check the padding."""
 
 from __future__ import annotations
 

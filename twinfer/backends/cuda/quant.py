@@ -1,9 +1,7 @@
 """Quantized weights and the TurboQuant KV cache over torch.
-
 Affine and TurboQuant weights dequantize inside each matmul; fp8/nvfp4/mxfp4 dequantize once at load
 locally, or stay packed on a GPU plan (`TorchPackedLinear`, `TorchPackedExperts`). `TorchTQKV` stores
-bit-packed codes and float16 norms and attends in the rotated domain (docs/quantization.md, "Layouts").
-"""
+bit-packed codes and float16 norms and attends in the rotated domain (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

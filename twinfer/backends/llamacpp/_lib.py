@@ -1,8 +1,6 @@
 """Loading llama-cpp-python's ctypes bindings, once per process, and bridging its API generations.
-
 llama.cpp renamed its KV-cache calls twice (`llama_kv_cache_*` -> `llama_kv_self_*` -> `llama_memory_*`
-on a handle from `llama_get_memory`); `MemoryOps` hides which one the installed version has.
-"""
+on a handle from `llama_get_memory`); `MemoryOps` hides which one the installed version has."""
 
 from __future__ import annotations
 
@@ -113,9 +111,7 @@ def _noop_log_callback(lib: ModuleType) -> Any:
 
 def set_quiet(lib: ModuleType, quiet: bool) -> None:
     """Silence llama.cpp's (and ggml's) logging, or send it to stderr again.
-
-    llama.cpp's logger is process-wide, so the most recently created runner decides.
-    """
+    llama.cpp's logger is process-wide, so the most recently created runner decides."""
     if quiet:
         lib.llama_log_set(_noop_log_callback(lib), ctypes.c_void_p(0))
     else:

@@ -46,7 +46,6 @@ class _SockFprog(ctypes.Structure):
 
 def filter_program() -> list[tuple[int, int, int, int]]:
     """The classic-BPF seccomp program: arch_prctl(ARCH_REQ_XCOMP_PERM, ...) gets EPERM, all else runs.
-
     Instructions are (code, jump if true, jump if false, k); seccomp_data is nr at 0, arch at 4, args at 16.
     """
     ld_w_abs, jeq_k, ret_k = 0x20, 0x15, 0x06

@@ -1,11 +1,9 @@
 """Weights on 2 MiB pages: llama.cpp's model buffers backed by transparent huge pages (Linux).
-
 llama.cpp reads the weights into its buffers (load mode "none"); the ranges mapped since the load began
 are marked `MADV_HUGEPAGE` at its first progress callback, before any byte is read, and chunks touched
 earlier (and the KV cache) are folded with `MADV_COLLAPSE` when wholly in memory. `wanted` keeps a model
 over half the available memory mapped (docs/architecture.md, "The runner contract"; figures:
-docs/benchmarks.md, "Weights on huge pages").
-"""
+docs/benchmarks.md, "Weights on huge pages")."""
 
 from __future__ import annotations
 

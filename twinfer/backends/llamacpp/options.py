@@ -13,13 +13,9 @@ BLOCK_SIZE = 16
 # KV-cache element types (ggml_type ids) the runner accepts; the planner names formats the same way.
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 
-# What a caller asks of the numerics:
-#   "fast": llama.cpp's defaults, weights repacked into its interleaved GEMM tiles (faster batched steps;
-#           a row's logits then depend on its place in the batch);
-#   "row-invariant": weights as stored, so a row's logits do not depend on its position mod 4 (speculative
-#           verification and measuring compare rows across steps);
-#   "batch-invariant": row-invariant, and each sequence in its own KV stream, where its cells lie exactly
-#           as they would alone (`serve --batch-invariant`).
+# What a caller asks of the numerics: "fast" (llama.cpp's defaults, weights repacked), "row-invariant"
+# (weights as stored: a row's logits do not depend on its place), "batch-invariant" (that, plus a KV
+# stream per sequence, `serve --batch-invariant`).
 RunMode = Literal["fast", "row-invariant", "batch-invariant"]
 RUN_MODES: tuple[RunMode, ...] = ("fast", "row-invariant", "batch-invariant")
 

@@ -1,9 +1,7 @@
 """LlamaCppRunner: a whole-model Runner over llama.cpp's low-level C API (llama-cpp-python's ctypes).
-
 llama.cpp runs the forward pass; the engine keeps scheduling, sampling and prefix reuse. KV is one
 unified cache of `n_ctx` cells, or one stream per sequence with `unified_kv=False` (docs/architecture.md,
-"The runner contract").
-"""
+"The runner contract")."""
 
 from __future__ import annotations
 
@@ -128,13 +126,11 @@ def _context_params(lib: ModuleType, o: LlamaCppOptions, n_cells: int, n_threads
 
 class LlamaCppRunner(Runner):
     """Runs a GGUF model with llama.cpp. Called by the engine from one thread, one step at a time.
-
     Sequence ids are the engine's; a llama seq slot is taken on a sequence's first chunk (or as a
     `copy_prefix` destination) and given back by `release`. A chunk must start at or before the
     sequence's stored length: earlier starts drop the positions from `start` on (rollback). llama.cpp's
     CPU kernels are not batch-invariant, hence `exact_shapes()`; why these shapes, the KV layouts and the
-    step's split into calls are in docs/architecture.md, "The runner contract".
-    """
+    step's split into calls are in docs/architecture.md, "The runner contract"."""
 
     backend = "llamacpp"
     # llama-server's n_batch: a wave of prompts prefills in one step, so its requests finish together

@@ -1,9 +1,7 @@
 """`Grammars`: constraints compiled for one model's tokenizer, cached by (kind, text). Thread-safe.
-
 `AsyncEngine` compiles on a worker thread under `time_limit_s`, so the engine thread never waits; a
 failure or time-out is cached as such. The llguidance tokenizer is built once, sized to the model's
-logit rows (padded rows are never allowed).
-"""
+logit rows (padded rows are never allowed)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Allowed-token masks for a step's constrained rows, and the matcher bookkeeping around sampling.
-
 `row_masks` fills every constrained row's bitmask in one llguidance call; a `RowMask` stays packed and
 is expanded only when needed. `draft_masks` gives the mask after each draft prefix, so the verifier
-sees the constrained distribution and the matcher advances only over emitted tokens.
-"""
+sees the constrained distribution and the matcher advances only over emitted tokens."""
 
 from __future__ import annotations
 

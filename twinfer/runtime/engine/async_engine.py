@@ -1,9 +1,7 @@
 """`AsyncEngine`: an `Engine` on its own thread, streamed to asyncio callers (the server, the TUI).
-
 Only the engine thread touches the engine; callers use a thread-safe inbox, outputs return on each
 request's asyncio queue, and health is an immutable `EngineStats` snapshot per step. If the thread
-dies, every waiting request gets `EngineDead` at once and new ones are refused.
-"""
+dies, every waiting request gets `EngineDead` at once and new ones are refused."""
 
 from __future__ import annotations
 
@@ -151,12 +149,10 @@ class RequestStream(AsyncIterator[RequestOutput]):
 
 class AsyncEngine:
     """Runs `engine` on one background thread; asyncio callers submit, stream and abort requests.
-
     `max_queue`: requests allowed to wait beyond those running; past it `generate` raises `Overloaded`.
     `gather_s`: an idle engine keeps taking a burst's requests while they arrive less than this apart,
     so the burst prefills in one step (0: start at once; None: a tenth of the last idle start's cost per
-    request, at most 50 ms). Methods run on one event loop; `abort` may be called from any thread.
-    """
+    request, at most 50 ms). Methods run on one event loop; `abort` may be called from any thread."""
 
     GATHER_SPANS = 4
     GATHER_SHARE = 0.1  # gather_s=None: this share of the last step that started from idle ...

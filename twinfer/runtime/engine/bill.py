@@ -1,9 +1,7 @@
 """The bill of one request: where its wall time went, which tokens it cost, and the bytes it moved.
-
 Times partition arrival -> finish (queue, KV transfer, prefill, decode, verification) and add up to
 the wall time; bytes come from the runner's `StepTraffic`, shared out over a step's tokens. Field names
-follow vLLM's per-request metrics (docs/internals.md, "The bill").
-"""
+follow vLLM's per-request metrics (docs/internals.md, "The bill")."""
 
 from __future__ import annotations
 

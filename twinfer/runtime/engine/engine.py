@@ -47,9 +47,7 @@ class EngineConfig:
 
 class Engine:
     """Owns the requests of one model. Not thread-safe: call from one thread (or use AsyncEngine).
-
-    With a `proposer` (runtime/speculative), decoding requests verify drafted tokens each step.
-    """
+    With a `proposer` (runtime/speculative), decoding requests verify drafted tokens each step."""
 
     def __init__(self, runner: Runner, tokenizer: Any = None, config: EngineConfig | None = None,
                  proposer: Proposer | None = None):

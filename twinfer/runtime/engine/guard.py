@@ -1,9 +1,7 @@
 """The token-loop guard: cut a generation that has collapsed into repeating itself.
-
 A loop is a tail made of one unit (1..`max_period` tokens) repeated at least `min_copies` times; how
 long it must be before a cut depends on whether the unit is text, blank or filler (docs/guard.md).
-The guard never cuts where a grammar bounds the next token; it only reads, the engine stops or retries.
-"""
+The guard never cuts where a grammar bounds the next token; it only reads, the engine stops or retries."""
 
 from __future__ import annotations
 

@@ -20,10 +20,8 @@ class SchedulerConfig:
     max_batch_tokens: int = 512  # tokens computed per step (prefill chunks + decodes)
     max_seqs: int = 16  # requests running at once
     max_prefill_chunk: int = 512  # longest piece of one prompt computed in one step
-    # Batch-invariant mode, in the shapes a runner declares exact (runtime/runner.py, ExactShapes):
-    # each prompt chunk runs alone at fixed boundaries, decode steps hold at most `invariant_rows`
-    # rows, a resumed request replays its output one token per step, and drafts are verified only
-    # while one request runs.
+    # Batch-invariant mode: only the runner's exact shapes (ExactShapes): prompt chunks alone at fixed
+    # boundaries, at most `invariant_rows` decode rows, replayed resumes, drafts only when alone.
     batch_invariant: bool = False
     invariant_rows: int = 7
 

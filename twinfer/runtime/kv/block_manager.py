@@ -1,9 +1,7 @@
 """KV block accounting with keyed full-block prefix reuse (vLLM-style automatic prefix caching).
-
 A full block's key is SHA-256 chained over its parent's key and its tokens; a hit is also checked
 against the stored tokens, so a colliding key never hands over another's KV. Unreferenced blocks stay
-cached until evicted LRU; per-sequence runners follow through `KVSync` (`on_evict`, `uncache`).
-"""
+cached until evicted LRU; per-sequence runners follow through `KVSync` (`on_evict`, `uncache`)."""
 
 from __future__ import annotations
 
@@ -94,9 +92,7 @@ class BlockManager:
     # -- prefix lookup ---------------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Block ids of the longest cached full-block prefix of `tokens` (not yet referenced).
-
-        At least one token is always left uncached, so the request still computes logits.
-        """
+        At least one token is always left uncached, so the request still computes logits."""
         if not self.enable_prefix_cache:
             return []
         found: list[int] = []

@@ -1,11 +1,9 @@
 """KV hand-over between replicas (prefill/decode disaggregation), modeled on vLLM's KV connector.
-
 `KVConnector` keeps vLLM's split and names: a scheduler side (`get_num_new_matched_tokens`,
 `update_state_after_alloc`, `request_finished`) called on the engine's thread, and a worker side over
 the runner's `KVPort` (`start_load_kv`, `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`). A failed
 or late fetch makes the request recompute. The flow: docs/architecture.md, "Prefill/decode
-disaggregation"; docs/cluster.md. Nothing here touches a device.
-"""
+disaggregation"; docs/cluster.md. Nothing here touches a device."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """KV cache events in vLLM's wire format, so KV-aware routers (Dynamo, llm-d, SGLang's gateway) can follow a replica.
-
 `ZmqKVEventPublisher` sends the block manager's `stored`/`removed` events as vLLM's `KVEventBatch` over
-ZMQ PUB, with replay over an optional ROUTER socket; the wire format is in docs/cluster.md.
-"""
+ZMQ PUB, with replay over an optional ROUTER socket; the wire format is in docs/cluster.md."""
 
 from __future__ import annotations
 

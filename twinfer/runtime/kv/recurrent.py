@@ -1,8 +1,6 @@
 """Recurrent-state slots: which slot of a backend's state pool each sequence holds, and how far it ran.
-
 Linear-attention state only moves forward, so `StateSlots` refuses, with the reason, any chunk that
-would cut it back or share it: wrong output is never silent. The backend's Ops owns the pool.
-"""
+would cut it back or share it: wrong output is never silent. The backend's Ops owns the pool."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Block tables of the sliding-window layers, in a pool of their own, bounded by the window.
-
 Blocks wholly before `start - window + 1` return to the pool when a chunk starts (never at the end, so a
-rollback keeps what it needs); dropped positions map to the null block 0, which the window mask hides.
-"""
+rollback keeps what it needs); dropped positions map to the null block 0, which the window mask hides."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Model loaders: a GGUF file or a Hugging Face folder -> ModelSpec + lazily read canonical weights.
-
 `load_model(path)` (None: the embedded default model); names map by the tables in `names.py`, and a
-tensor that maps to nothing, or a missing one, is a `WeightError`.
-"""
+tensor that maps to nothing, or a missing one, is a `WeightError`."""
 
 from __future__ import annotations
 

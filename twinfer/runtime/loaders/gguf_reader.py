@@ -1,8 +1,6 @@
 """A minimal GGUF parser: header, key/values and tensor table, with the tensor data memory-mapped.
-
 Large arrays (a 262k-entry vocabulary) are only located and read on demand (`GGUFContents.array`), so
-opening a file takes milliseconds where `gguf.GGUFReader` takes seconds. Layout: llama.cpp's gguf.md.
-"""
+opening a file takes milliseconds where `gguf.GGUFReader` takes seconds. Layout: llama.cpp's gguf.md."""
 
 from __future__ import annotations
 
@@ -84,9 +82,7 @@ class GGUFContents:
     # -- public ---------------------------------------------------------------------------------
     def array(self, key: str) -> list[Any] | np.ndarray:
         """A metadata array by key, including the large ones (e.g. `tokenizer.ggml.tokens`).
-
-        Numeric arrays come back as numpy arrays, string arrays as a list of str.
-        """
+        Numeric arrays come back as numpy arrays, string arrays as a list of str."""
         if key in self.metadata:
             value = self.metadata[key]
             if not isinstance(value, list | np.ndarray):

@@ -1,9 +1,7 @@
 """Weight-name tables: how a file format's tensor names become twinfer's canonical names.
-
 A table is a list of `Rule(source, target, transform)`: `source` with `{i}`, `{e}`, `{part}`, `{*}`
 placeholders, `target` a canonical name (None drops it on purpose), `transform` a named entry of
-`weights.TRANSFORMS` or the table's own. Canonical names and shapes: each `Model.weight_shapes`.
-"""
+`weights.TRANSFORMS` or the table's own. Canonical names and shapes: each `Model.weight_shapes`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Published pre-quantized safetensors layouts, loaded as published (no conversion step).
-
 DeepSeek block FP8, compressed-tensors FP8/NVFP4/INT4/INT8, ModelOpt NVFP4/FP8, gpt-oss MXFP4 and
 mlx-community affine, recognised from the config (docs/architecture.md, "Published quantized
 checkpoints"). `Layout.pack` folds each linear's parts into one `PackedTensor` named `P.weight`;
-activation scales are read past. An unknown method or option is refused, naming the config field.
-"""
+activation scales are read past. An unknown method or option is refused, naming the config field."""
 
 from __future__ import annotations
 

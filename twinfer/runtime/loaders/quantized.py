@@ -1,9 +1,7 @@
 """Quantized model folders written by `twinfer quantize`: config.json + model.safetensors + tokenizer.
-
 config.json holds the ModelSpec and `quantization_config` (`quant_method: "twinfer"`, per-tensor formats,
 the measured KL); a quantized `NAME` is stored as `NAME.<part>`. `load` returns what the decoder that
-`twinfer.quant.linear` registers makes of the parts, or the `PackedWeight` parts without one.
-"""
+`twinfer.quant.linear` registers makes of the parts, or the `PackedWeight` parts without one."""
 
 from __future__ import annotations
 
@@ -42,9 +40,7 @@ _DECODERS: dict[str, Decoder] = {}
 
 def register_decoder(method: str, decode: Decoder) -> None:
     """Let the layer that owns the formats turn stored parts into its weight objects (idempotent).
-
-    Called once, at import, by `twinfer.quant.linear` for `quant_method` "twinfer".
-    """
+    Called once, at import, by `twinfer.quant.linear` for `quant_method` "twinfer"."""
     _DECODERS[method] = decode
 
 

@@ -1,8 +1,6 @@
 """WeightSet: a model's tensors under canonical names, read from the file only when asked for.
-
 A canonical weight is built from stored tensors by an optional named transform (`TRANSFORMS` or the
-architecture's); `load_region` reads a box of a weight (a rank's rows, an expert group) alone.
-"""
+architecture's); `load_region` reads a box of a weight (a rank's rows, an expert group) alone."""
 
 from __future__ import annotations
 
@@ -59,9 +57,7 @@ class StoredTensor(Protocol):
 
     def read_region(self, region: Region) -> np.ndarray:
         """`read()[region]` as a fresh float32 array, reading only the region's bytes where the format allows.
-
-        `region` has one slice per axis with concrete bounds (see `WeightSet.load_region`).
-        """
+        `region` has one slice per axis with concrete bounds (see `WeightSet.load_region`)."""
         ...
 
 

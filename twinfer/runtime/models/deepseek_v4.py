@@ -1,8 +1,6 @@
 """DeepSeek-V4 (`deepseek_v4`, Flash and Pro): recognised, not run yet, and refused naming what is missing.
-
 `refusal()` is what `twinfer generate`, `eval kl`, `plan` and `serve` print for such a folder; what V4
-needs beyond V3.2: docs/architecture.md, "DeepSeek-V4: what it needs".
-"""
+needs beyond V3.2: docs/architecture.md, "DeepSeek-V4: what it needs"."""
 
 from __future__ import annotations
 

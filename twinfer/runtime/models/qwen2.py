@@ -1,7 +1,5 @@
 """Qwen2: Llama's decoder with biases on the Q, K and V projections (`q_bias`, `k_bias`, `v_bias`).
-
-The biases ride in `base.Model.attention` through `w.get(...)`; nothing else differs.
-"""
+The biases ride in `base.Model.attention` through `w.get(...)`; nothing else differs."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Verification: which drafted tokens the target keeps, and the one token it adds.
-
 Greedy rows keep a draft token while it is the target's own choice (exact). Sampled rows use
 speculative rejection sampling (Leviathan et al. 2023): every emitted token is distributed as the
-target's sampler would draw it (docs/internals.md, "Speculative decoding").
-"""
+target's sampler would draw it (docs/internals.md, "Speculative decoding")."""
 
 from __future__ import annotations
 

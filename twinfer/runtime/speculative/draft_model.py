@@ -1,9 +1,7 @@
 """Draft-model proposers: a cheaper model drafts k tokens one at a time, batched across requests.
-
 `DraftModelProposer` runs a second Runner with its own KV, rolled back by starting the next chunk
 earlier; `SelfDraftProposer` runs the target with layers skipped over the target's paged KV, which the
-verification pass overwrites.
-"""
+verification pass overwrites."""
 
 from __future__ import annotations
 

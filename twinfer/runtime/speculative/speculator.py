@@ -1,8 +1,6 @@
 """The engine's side of speculative decoding: room, drafts, verification and adaptation.
-
 Greedy output is unchanged; sampled output keeps its distribution, though a seed draws different
-tokens than without speculation. Rejected tokens' KV is rolled back by not advancing `num_computed`.
-"""
+tokens than without speculation. Rejected tokens' KV is rolled back by not advancing `num_computed`."""
 
 from __future__ import annotations
 

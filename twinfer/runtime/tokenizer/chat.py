@@ -1,9 +1,7 @@
 """Chat templates: render a list of messages into the prompt text a model was trained on.
-
 Jinja in a sandbox set up exactly as transformers sets it up, so a template renders as
 `apply_chat_template(..., tokenize=False)` does. Messages are validated (`RequestError`) and
-normalized first (docs/internals.md, "Chat templates"); no template: `FALLBACK_TEMPLATE` (ChatML).
-"""
+normalized first (docs/internals.md, "Chat templates"); no template: `FALLBACK_TEMPLATE` (ChatML)."""
 
 from __future__ import annotations
 

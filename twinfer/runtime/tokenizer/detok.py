@@ -1,8 +1,6 @@
 """Streaming detokenization: turn generated token ids into text as they arrive.
-
 `StreamDecoder` decodes a short window with a prefix offset (vLLM's and mlx-lm's technique) and emits
-only text not ending in U+FFFD, so a split character comes out once, whole; O(1) amortized per token.
-"""
+only text not ending in U+FFFD, so a split character comes out once, whole; O(1) amortized per token."""
 
 from __future__ import annotations
 

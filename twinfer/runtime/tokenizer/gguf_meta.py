@@ -1,8 +1,6 @@
 """The tokenizer's view of a GGUF header, read with the loaders' parser (loaders/gguf_reader.py).
-
 `gguf.GGUFReader` builds numpy records for each of Gemma 3's 262,144 vocabulary strings (over ten
-seconds); the loaders' parser leaves large arrays unread until asked, so this takes a fraction of one.
-"""
+seconds); the loaders' parser leaves large arrays unread until asked, so this takes a fraction of one."""
 
 from __future__ import annotations
 

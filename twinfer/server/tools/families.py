@@ -1,10 +1,5 @@
-"""Tool-call families: which one a chat template speaks, its call grammar, and the generic form.
-
-The family is read from the template text: `<|channel|>` (gpt-oss harmony), `[TOOL_CALLS]` (Mistral), `<tool_call>` (Hermes, Qwen),
-`<|python_tag|>` or Llama 3 headers with tools (Llama 3 JSON); a template that never mentions
-tools gets the generic form (docs/api.md): the tool list goes into the system message and the
-reply is `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
-"""
+"""Tool-call families: which one a chat template speaks (read from its text), its call grammar, and the
+generic form for templates without tools (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -81,10 +76,8 @@ def call_grammar(family: str, functions: list[dict[str, Any]], parallel: bool) -
 
 
 def harmony_call_grammar(functions: list[dict[str, Any]]) -> str:
-    """gpt-oss's forced call: an optional analysis message, then one commentary message to
-    `functions.NAME` with `<|constrain|>json` and the arguments' JSON; generation then ends on
-    `<|call|>` (an end-of-generation token). Harmony has one call per turn, so `parallel` is moot.
-    Control tokens are named as llguidance names special tokens (`<|channel|>`)."""
+    """gpt-oss's forced call: optional analysis, then one commentary message to `functions.NAME` with
+    `<|constrain|>json` arguments, ending on `<|call|>` (one call per turn)."""
     calls = [f'<|channel|> "commentary to=functions.{f["name"]} " <|constrain|> "json" <|message|> '
              f'{_json(f["parameters"])}' for f in functions]
     return ('start: analysis? call\n'

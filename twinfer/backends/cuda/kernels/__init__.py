@@ -1,8 +1,6 @@
 """Triton kernels for the torch backend on NVIDIA GPUs, each next to its plain-torch reference (`reference.py`).
-
 `select_kernels`: "auto" (triton on CUDA where it imports, else torch), "triton" (on CPU only under
-TRITON_INTERPRET=1, set before importing these modules), "torch"; TWINFER_KERNELS overrides "auto".
-"""
+TRITON_INTERPRET=1, set before importing these modules), "torch"; TWINFER_KERNELS overrides "auto"."""
 
 from __future__ import annotations
 

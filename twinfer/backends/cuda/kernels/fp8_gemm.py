@@ -14,10 +14,8 @@ import triton.language as tl
 from twinfer.backends.cuda.kernels import sm_count
 
 MAX_ROWS = 64  # the most rows one tile holds; `takes` says which row counts this path is used for
-# max_rows 64: at batch 32 and 64 an 8B model's FP8 decode step took 11.09 and 15.44 ms through this kernel
-# against 14.17 and 17.08 through _scaled_mm on the H200 (docs/benchmarks.md, "GPU")
-# Tiles and launch shape: the winners of bench/gpu_tune.py on an H200 (docs/benchmarks.md, "GPU"); it sweeps
-# them on any GPU and can set them for a run.
+# max_rows 64, tiles and launch shape: the winners of bench/gpu_tune.py on an H200, which sweeps them on
+# any GPU (figures: docs/benchmarks.md, "GPU: one H200")
 CONFIG = {"block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 4, "programs_per_sm": 2, "max_rows": 64}
 
 

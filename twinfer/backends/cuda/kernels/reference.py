@@ -39,9 +39,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def fused_moe_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                   topk_ids: torch.Tensor, topk_weights: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """sum_k w[t, k] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])), e = topk_ids[t, k].
-
-    x [T, C]; gate/up [E, I, C]; down [E, C, I]; topk_ids/topk_weights [T, k] -> [T, C].
-    """
+    x [T, C]; gate/up [E, I, C]; down [E, C, I]; topk_ids/topk_weights [T, k] -> [T, C]."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xf = x.float()
     for t in range(x.shape[0]):

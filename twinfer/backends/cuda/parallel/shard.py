@@ -1,8 +1,6 @@
 """Sharding as a transform of a built model's weights: which part of each weight one rank reads.
-
 Megatron-style rules per architecture (docs/parallelism.md); `shard_request` is the one place they live.
-A rank reads exactly its box from the file (`WeightSet.load_region`) and never opens other stages' weights.
-"""
+A rank reads exactly its box from the file (`WeightSet.load_region`) and never opens other stages' weights."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """A StepBatch as flat int64 tensors, so worker ranks receive step inputs rather than Python objects.
-
 Message: a header [command, payload length] then the payload
-[n_chunks, (seq_id, start, n_tokens, logits, n_blocks) per chunk, all tokens, all block tables].
-"""
+[n_chunks, (seq_id, start, n_tokens, logits, n_blocks) per chunk, all tokens, all block tables]."""
 
 from __future__ import annotations
 
