@@ -90,7 +90,6 @@ def parse_budget(text: str | int) -> int:
     return budget
 
 
-# -- torch / MLX -------------------------------------------------------------------------------------
 def _ops_bytes(loaded: LoadedModel, dtype_bytes: int, ctx: int, max_seqs: int = 1) -> int:
     spec, w = loaded.spec, loaded.weights
     total = 0
@@ -144,7 +143,6 @@ def _layer_bytes(loaded: LoadedModel, dtype_bytes: int) -> int:
     return sum(math.prod(w.shape(n)) * dtype_bytes for n in w.names() if n.startswith("layers.0."))
 
 
-# -- llama.cpp ---------------------------------------------------------------------------------------
 def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int, allow_pruning: bool,
                       hardware: Cluster | None = None) -> LocalStrategy:
     """Ask the planner for a llama.cpp plan on `hardware` (default: the probed host) with `budget` of memory."""
@@ -201,7 +199,6 @@ def _host() -> Cluster:
     return found if usable and target_of(found) == "local" else probe_cpu()
 
 
-# -- applying it -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BudgetRequest:
     """What a memory budget is planned for: `budget` bytes for `max_seqs` sequences of `ctx` tokens."""

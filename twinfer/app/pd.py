@@ -1,8 +1,7 @@
 """Prefill/decode disaggregation: the proxy that pairs a prefill replica with a decode replica.
 
 vLLM's disaggregated-prefill proxy flow over twinfer's TCP transport (docs/cluster.md); `twinfer cluster
---prefill N --decode M` calls `start_pd_proxy` (or mounts `create_pd_app`).
-"""
+--prefill N --decode M` calls `start_pd_proxy` (or mounts `create_pd_app`)."""
 
 from __future__ import annotations
 

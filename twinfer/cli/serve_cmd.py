@@ -1,8 +1,7 @@
 """`twinfer serve`: the OpenAI-compatible HTTP server for one model.
 
 The port is bound first and answers /health with 503 while the model loads on a background thread;
-SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones finish within the grace period.
-"""
+SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones finish within the grace period."""
 
 from __future__ import annotations
 

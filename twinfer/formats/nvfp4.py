@@ -2,8 +2,7 @@
 
 `packed` uint8 [out, in / 2] (even column in the low nibble, ModelOpt's order), `scales` uint8 E4M3
 [out, in / 16] row-major, `global_scale` float32: `w[r, c] = e2m1(packed)[r, c] * e4m3(scales[r, c // 16])
-* global_scale`; quantization follows ModelOpt (docs/quantization.md, "Layouts").
-"""
+* global_scale`; quantization follows ModelOpt (docs/quantization.md, "Layouts")."""
 
 from __future__ import annotations
 

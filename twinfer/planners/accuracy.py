@@ -1,7 +1,6 @@
 """The planner against published measurements: docs/planner-accuracy.md's table between
 `<!-- measurements:start -->` and `<!-- measurements:end -->` is the data set; running
-`python -m twinfer.planners.accuracy docs/planner-accuracy.md` rewrites its predictions and errors.
-"""
+`python -m twinfer.planners.accuracy docs/planner-accuracy.md` rewrites its predictions and errors."""
 
 from __future__ import annotations
 

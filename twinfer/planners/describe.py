@@ -1,7 +1,6 @@
 """`--hardware` as a user writes it: `auto`, `cpu`, a table name, or a described device (inline or a
 TOML/JSON file, docs/hardware.md); defaults are recorded in `source`. `resolve_cluster` is the one place
-a command turns its hardware flags into the `Cluster` it plans on.
-"""
+a command turns its hardware flags into the `Cluster` it plans on."""
 
 from __future__ import annotations
 

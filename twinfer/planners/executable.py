@@ -1,7 +1,6 @@
 """What each engine runs: the planner's copy of the runtime's refusals, so a plan never names a strategy
 (architecture x format x engine x parallelism) that the runner it names would refuse. Each rule names
-the runtime place it mirrors.
-"""
+the runtime place it mirrors."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Weight and KV-cache formats as the planner sees them: bits per weight, what they compute in, what they cost.
 
 A `Mix` says which `Format` each component is stored in (bits include block scales). A format whose
-`compute` dtype the device lists as native is multiplied directly; any other pays `dequant_ops` per weight.
-"""
+`compute` dtype the device lists as native is multiplied directly; any other pays `dequant_ops` per weight."""
 
 from __future__ import annotations
 

@@ -31,8 +31,7 @@ from twinfer.planners.model import ModelProfile, profile_from_spec
 from twinfer.runtime.errors import PlanError
 
 LOCAL_MIXES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_xs", "q3_k_m", "q2_k", "tq4", "tq3")
-# Requantizing a file, these llama.cpp mixes are also tried with the embedding/output at each of
-# EMBED_TYPES: one per size class (8-bit, the usual 4-bit K mix, the best-measured small 4-bit, 3-bit).
+# Requantizing a file also tries these mixes with each EMBED_TYPES embedding/output: one per size class.
 LOCAL_EMBED_BASES = ("q8_0", "q4_k_m", "iq4_xs", "q3_k_m")
 DATACENTER_MIXES = ("bf16", "fp8", "nvfp4", "mxfp4", "int8", "int4", "tq4", "tq3")
 LLAMACPP_KV = ("f16", "q8_0", "q4_0")
@@ -107,8 +106,7 @@ def engine_for(m: Mix, cluster: Cluster, target: str) -> str:
     return "mlx" if cluster.device.kind == APPLE else "torch"
 
 
-# The GGUF a local runner would load for a checkpoint published in each format.
-# INT4 experts: llama.cpp's converter writes them dequantized; Q4_0 holds the same symmetric 4-bit groups of 32.
+# The GGUF a local runner would load for a checkpoint published in each format (INT4 experts: Q4_0).
 LOCAL_EQUIVALENT = {"bf16": "f16", "fp8": "q8_0", "mxfp4-moe": "gguf-mxfp4", "int4-moe": "q4_0"}
 
 
@@ -138,15 +136,13 @@ def weight_mixes(profile: ModelProfile, target: str, requested: str, requantize:
         return [native, base, *smaller] if base is not native else [native, *smaller]
     limit = profile.weight_bytes(native) * 0.9
     smaller = [MIXES[n] for n in DATACENTER_MIXES if n != native.name and profile.weight_bytes(MIXES[n]) < limit]
-    # Upcasts, for GPUs that cannot run the published format natively (MXFP4 experts on Hopper, FP8 on
-    # Ampere): the search keeps them only where nothing native and smaller fits.
+    # Upcasts for GPUs without the published format natively, kept only where nothing native and smaller fits
     upcasts = [MIXES[n] for n in ("fp8", half) if n != native.name and MIXES[n] not in smaller]
     return [native, *smaller, *upcasts]
 
 
 def as_published(profile: ModelProfile, asked: Mix) -> Mix:
-    """The published mix where `asked` names its main format: `--format mxfp4` on gpt-oss means its MXFP4
-    experts as released (attention in BF16), not every tensor requantized to MXFP4."""
+    """The published mix where `asked` names its main format (`--format mxfp4` on gpt-oss: its experts)."""
     native = MIXES.get(profile.native)
     if native is None or profile.stored is not None or asked.name == native.name:
         return asked
@@ -155,8 +151,7 @@ def as_published(profile: ModelProfile, asked: Mix) -> Mix:
 
 
 def kv_formats(engine: str, requested: str, device_kind: str = "", half: str = "bf16") -> list[KVFormat]:
-    """KV formats the engine's runner can hold (on a CPU, the torch runner keeps KV in f32 activations;
-    on a GPU without BF16, its 16-bit cache is `half` = f16)."""
+    """KV formats the engine's runner can hold (CPU torch: f32; a GPU without BF16: f16)."""
     if requested not in ("auto", ""):
         return [kv_format(requested)]
     if engine == "torch" and device_kind == CPU:
@@ -208,8 +203,7 @@ def explicit(request: Request) -> bool:
 
 
 def runnable_mixes(profile: ModelProfile, cluster: Cluster, request: Request, requantize: bool = False) -> list[Mix]:
-    """`weight_mixes`, plus, for a named format that no runner here holds as asked, its GGUF conversion
-    (`LOCAL_EQUIVALENT`: the same quantized tensors, which the llama.cpp runner runs)."""
+    """`weight_mixes`, plus the GGUF conversion (`LOCAL_EQUIVALENT`) of a named format no runner holds."""
     target, half = target_of(cluster), half_dtype(cluster)
     mixes = weight_mixes(profile, target, request.weights_format, requantize, half)
     if not explicit(request):
@@ -278,9 +272,8 @@ REPLY_TOKENS = 256  # the reply a scored request decodes after its prompt
 
 
 def score(c: Candidate) -> float:
-    """Predicted tokens/s, times the share of a request's time spent decoding (a reply of REPLY_TOKENS
-    after a prompt of the context: a plan that decodes 2% faster but takes 60% longer to first token
-    loses), discounted by expected KL (a lossier plan must be clearly faster to win)."""
+    """Predicted tokens/s times the share of a request spent decoding (REPLY_TOKENS after the context's
+    prompt), discounted by expected KL."""
     return c.speed * c.decode_share * math.exp(-c.kl / KL_PRICE)
 
 

@@ -2,8 +2,7 @@
 
 A kernel floor is the mean KL between two faithful kernel paths of the reference (llama.cpp repacked vs
 as stored), or a declared class (`DECLARED`). Verdicts: `faithful`, `within kernel noise`, `degraded`;
-read by `twinfer doctor` and `twinfer eval kl`.
-"""
+read by `twinfer doctor` and `twinfer eval kl`."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A SPEC is a twinfer backend (`llamacpp`, `torch`, `mlx`, options after a colon: `torch:kv=tq4`,
 `mlx:kv=tq2.5,weights=int4`, `llamacpp:mode=fast`), `transformers`, or another model path. Runners come
-from the `RunnerFactory` each function is handed: quant imports no backend.
-"""
+from the `RunnerFactory` each function is handed: quant imports no backend."""
 
 from __future__ import annotations
 
@@ -170,8 +169,7 @@ def measure_kl(model: str | None, reference: str, candidate: str, corpus: str, t
                window: int = 256, *, runners: RunnerFactory) -> KLReport:
     """KL(reference || candidate) over `tokens` corpus tokens, scored in teacher-forced windows.
 
-    Each scored row is a position whose next token is in the window (the last row is not scored).
-    """
+    Each scored row is a position whose next token is in the window (the last row is not scored)."""
     windows = list(corpus_windows(model, corpus, tokens, window))
     ref, cand = open_source(reference, model, window, runners), open_source(candidate, model, window, runners)
     acc = KLAccumulator()

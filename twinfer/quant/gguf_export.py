@@ -108,7 +108,6 @@ def export_gguf(folder: str | Path, dest: str | Path, int8_as_q8_0: bool = False
     return GGUFExport(dest, dest.stat().st_size, types, kept, changes, file_type)
 
 
-# -- one tensor --------------------------------------------------------------------------------------
 def to_gguf_blocks(qw: QuantizedWeight, name: str = "tensor") -> tuple[np.ndarray, str, float]:
     """(uint8 [out, row bytes] GGUF blocks, GGML type name, max |exported - qw| value) of one weight."""
     p = qw.packed
@@ -159,7 +158,6 @@ def mxfp4_blocks(p: MXFP4Tensor) -> np.ndarray:
     return np.concatenate([p.scales[..., None], qs], axis=-1).reshape(p.blocks.shape[0], -1)
 
 
-# -- names and checks --------------------------------------------------------------------------------
 def _stored_name(weights: Any, name: str, source: Path) -> tuple[str, np.ndarray | None]:
     """The source GGUF tensor that `name` was read from, and the row order that undoes the loader's
     transform (None: rows as they are)."""
@@ -191,7 +189,6 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-# -- the file ----------------------------------------------------------------------------------------
 def _write(source: Path, dest: Path, replaced: Mapping[str, tuple[np.ndarray, str]]) -> str:
     """Copy `source` to `dest` with `replaced` tensors swapped in; returns the file type written."""
     import gguf

@@ -96,7 +96,6 @@ class QuantizedWeight:
         """Float32 ``[out, in]``."""
         return np.asarray(self.packed.unpack(), dtype=np.float32).reshape(self.shape)
 
-    # -- flat tensors (what a quantized folder stores) --------------------------------------------
     def to_tensors(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Named arrays (suffixes, e.g. ``"wq"``) and JSON-able metadata that rebuild this weight."""
         meta: dict[str, Any] = {"format": self.fmt, "shape": list(self.shape)}

@@ -115,7 +115,6 @@ def average_bits(weights: Any, assignment: Mapping[str, str], group_size: int = 
     return total / params if params else 0.0
 
 
-# -- the folder ------------------------------------------------------------------------------------
 def write_quantized(out: Path, spec: ModelSpec, view: QuantizedView, source: Path,
                     extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write `view` (weights + assignment) to `out`; returns the config written."""

@@ -117,7 +117,6 @@ def _score_window(runner: OpsRunner, ops: Any, seq: int, tokens: list[int], acc:
     runner.release(seq)
 
 
-# -- greedy removal by measured KL ------------------------------------------------------------------
 @dataclass(frozen=True)
 class KLRanking:
     """Layers in the order greedy KL removal took them, and the mean KL after each removal."""
@@ -231,7 +230,6 @@ def _summed_kl(runner: OpsRunner, windows: list[list[int]], refs: list[_Referenc
     return total
 
 
-# -- the whole command -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PruneResult:
     """What `prune_model` removed, where it wrote the model, and what it costs in KL."""

@@ -50,7 +50,6 @@ def _rename(name: str, layer_map: dict[int, int], keep_experts: dict[int, list[i
     return f"{m[1]}{layer_map[old]}.{rest}", rows
 
 
-# -- GGUF ------------------------------------------------------------------------------------------
 def write_pruned_gguf(src: Path, out: Path, spec: ModelSpec, keep_layers: Sequence[int],
                       keep_experts: dict[int, list[int]] | None = None) -> Path:
     """Copy `src` to `out` with only `keep_layers` (and, per MoE layer, `keep_experts`)."""
@@ -85,7 +84,6 @@ def write_pruned_gguf(src: Path, out: Path, spec: ModelSpec, keep_layers: Sequen
     return rewrite_gguf(contents, out, values=value, extra=extra, tensors=tensor)
 
 
-# -- Hugging Face ----------------------------------------------------------------------------------
 def _stored_bytes(t: SafetensorsTensor, rows: list[int] | None) -> tuple[bytes, list[int]]:
     raw = np.frombuffer(t.data, dtype=np.uint8, count=t.nbytes, offset=t.offset)
     if rows is None:

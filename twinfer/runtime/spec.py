@@ -1,6 +1,5 @@
-"""ModelSpec: the architecture of a model as plain numbers.
-Loaders (GGUF, Hugging Face) produce it, model files read it, the planner does its arithmetic on it.
-It holds no weights and imports nothing heavy."""
+"""ModelSpec: the architecture of a model as plain numbers, from the loaders, for model files and the
+planner; no weights, nothing heavy imported."""
 
 from __future__ import annotations
 
@@ -183,7 +182,6 @@ class ModelSpec:
         if LINEAR in self.layer_types and self.linear_attn is None:
             raise ModelError("model spec: linear-attention layers need their linear_attn shape")
 
-    # -- derived values ------------------------------------------------------------------------
     @property
     def attention_types(self) -> tuple[str, ...]:
         return self.layer_types or (FULL,) * self.num_layers
@@ -229,8 +227,7 @@ class ModelSpec:
         return self.global_kv_heads if self.global_kv_heads and self.attention_types[layer] == FULL else self.num_kv_heads
 
     def kv_source(self, layer: int) -> int:
-        """The layer whose KV cache `layer` attends over: itself, or for the last `kv_shared_layers`
-        layers the last earlier layer of the same attention type (which stores it)."""
+        """The layer whose KV `layer` attends over: itself, or (shared-KV layers) the last earlier one of its type."""
         first = self.num_layers - self.kv_shared_layers
         if layer < first:
             return layer

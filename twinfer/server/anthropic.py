@@ -65,7 +65,6 @@ class CountTokensRequest(_Body):
     tool_choice: dict[str, Any] | None = None
 
 
-# -- request -> chat --------------------------------------------------------------------------------
 def _text(blocks: Any, where: str) -> str:
     if isinstance(blocks, str):
         return blocks
@@ -152,7 +151,6 @@ def _output_format(config: dict[str, Any] | None) -> Constraint | None:
     return make_constraint("json_schema", fmt.get("schema"), "output_config.format.schema")
 
 
-# -- routes -----------------------------------------------------------------------------------------
 async def count_tokens(state: ServerState, body: CountTokensRequest) -> dict[str, Any]:
     _, tokenizer = state.ready()
     state.check_model(body.model)

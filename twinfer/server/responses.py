@@ -104,7 +104,6 @@ class Follower:
         if self.cost is not None:
             self.metrics.record_cost(self.cost)
 
-    # -- logprobs ------------------------------------------------------------------------------------
     def _piece(self, token: int) -> str:
         return str(self.tokenizer.decode([token]))
 
@@ -161,7 +160,6 @@ class Follower:
             out.append(row)
         return out
 
-    # -- whole responses -----------------------------------------------------------------------------
     def choice(self, want_logprobs: bool) -> dict[str, Any]:
         if not self.chat:
             out = {"index": self.index, "text": self.echo + self.out.content, "finish_reason": self.finish_reason,
@@ -179,7 +177,6 @@ class Follower:
         return {"index": self.index, "message": message, "finish_reason": self.finish_reason,
                 "logprobs": self.chat_logprobs(self.logprobs) if want_logprobs else None}
 
-    # -- stream chunks -------------------------------------------------------------------------------
     def chunk(self, delta: Delta | None = None, *, role: bool = False, logprobs: list[TokenLogprob] | None = None,
               want_logprobs: bool = False, finish_reason: str | None = None, include_usage: bool = False,
               text: str | None = None) -> str:

@@ -1,7 +1,6 @@
 """A conversation -> the prompt tokens and stop strings for its next reply: `template` (the chat
 template, for chat-tuned models) or `transcript` ("User: ... Assistant:", for base models such as the
-default Gemma 3 270M, which loops on its template). The oldest turns go first when the context is full.
-"""
+default Gemma 3 270M, which loops on its template). The oldest turns go first when the context is full."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Native formats only on the datacenter target: what each GPU generation multiplies directly
 (Blackwell NVFP4/MXFP4, Hopper and Ada FP8, else BF16); `check_format` refuses the rest with the reason.
-`Fp8Linear` runs `torch._scaled_mm` on a capable GPU and the same arithmetic in float32 elsewhere.
-"""
+`Fp8Linear` runs `torch._scaled_mm` on a capable GPU and the same arithmetic in float32 elsewhere."""
 
 from __future__ import annotations
 

@@ -107,7 +107,6 @@ class TorchRunner(OpsRunner):
         return {"backend": "torch", "device": str(ops.device), "dtype": str(ops.dtype).removeprefix("torch."),
                 "kernels": ops.kernels, "cuda_graphs": graphs, "torch": torch.__version__}
 
-    # -- capture and replay (CUDA only) ---------------------------------------------------------------
     @property
     def table_width(self) -> int:
         """Block-table width of every graph: the most blocks one sequence can hold, plus the scratch."""

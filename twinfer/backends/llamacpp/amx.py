@@ -4,8 +4,7 @@ when they do not.
 `amx_verdict` decodes a tiny generated model in a child process once per library and CPU (cached);
 where it crashes, `deny_amx` makes the AMX permission request fail through a seccomp filter, so ggml
 uses its AVX-512 layout. `TWINFER_LLAMACPP_AMX=on|off` skips the check (docs/architecture.md, "The
-runner contract").
-"""
+runner contract")."""
 
 from __future__ import annotations
 

@@ -41,10 +41,8 @@ def wanted(model_bytes: int, mode: str | None, available: int | None) -> bool:
 
 
 def mem_available(path: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
-    """Bytes the kernel says it can give without swapping (MemAvailable), or None where it does not say,
-    and no more than this process's memory cgroup still allows (`cgroup_headroom`): what `wanted` weighs a
-    model against when it loads (a plan weighs the device's size instead). A container's limit counts:
-    weights read into anonymous memory past it are OOM-killed, where mapped ones are paged."""
+    """Bytes the kernel can give without swapping (MemAvailable, None where unsaid), capped by this
+    process's cgroup headroom: what `wanted` weighs a model against (past a container limit, OOM)."""
     available = None
     try:
         for line in _read(path).splitlines():
@@ -62,9 +60,8 @@ _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
 
 def cgroup_headroom(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int | None:
-    """The least of (limit - anonymous memory charged) over this process's memory cgroup and its ancestors
-    (cgroup v2 `memory.max` / `anon`, v1 `memory.limit_in_bytes` / `total_rss`); page cache is left out, as
-    the kernel reclaims it. None where no limit applies or none can be read."""
+    """The least of (limit - anonymous memory charged) over this process's cgroups (v1 or v2), None where
+    no limit applies or none can be read."""
     try:
         lines = _read(own).splitlines()
     except OSError:
@@ -177,10 +174,8 @@ def resident_chunks(start: int, end: int) -> list[int]:
 
 
 def fold(ranges: list[Range], limit: float | None = None) -> int:
-    """Collapse every fully resident chunk of `ranges` into a huge page (MADV_COLLAPSE, Linux 6.1+; a chunk
-    already on one stays) and return the bytes now on huge pages; nothing where those chunks hold more
-    than `limit` bytes (collapsing copies them). Chunks with a page never touched are left alone:
-    collapsing one would fill it, and resident memory would grow by what nobody wrote."""
+    """Collapse every fully resident chunk of `ranges` into a huge page (MADV_COLLAPSE) and return the bytes
+    now on huge pages; nothing above `limit` bytes (it copies), never a chunk with an untouched page."""
     chunks = [chunk for start, end in ranges for chunk in resident_chunks(start, end)]
     if limit is not None and len(chunks) * HUGE > limit:
         return 0
@@ -188,17 +183,15 @@ def fold(ranges: list[Range], limit: float | None = None) -> int:
 
 
 class HugePageLoad:
-    """One model load onto huge pages: `progress` goes in llama_model_params.progress_callback (keep this
-    object alive until the load returns), `finish` after it. Every step is advice: where the kernel
-    refuses, the weights stay on small pages and the model runs as before."""
+    """One model load onto huge pages: `progress` as the load's progress_callback (kept alive until it
+    returns), `finish` after; where the kernel refuses the advice the weights stay on small pages."""
 
     def __init__(self) -> None:
         self._before = snapshot()
         self.advised: list[Range] | None = None  # None until llama.cpp's first progress callback
 
     def progress(self, _progress: float, _user: object) -> bool:
-        """llama.cpp's progress callback. At its first call the weight buffers exist and are still empty:
-        mark what was mapped since the load began."""
+        """llama.cpp's progress callback: at its first call the buffers exist, still empty; advise them."""
         if self.advised is None:
             self.advised = []
             try:
@@ -210,8 +203,7 @@ class HugePageLoad:
         return True  # go on loading
 
     def finish(self) -> int:
-        """Fold chunks still on small pages (touched before the advice) into huge ones, and return the
-        bytes of the load's memory on huge pages (0 where the kernel gave none)."""
+        """Fold chunks touched before the advice, and return the load's bytes on huge pages (0: none)."""
         return fold(whole_chunks(_intersect(self.advised or [], snapshot())))
 
 

@@ -1,7 +1,6 @@
 """The llama.cpp runner's KV for a KV connector: a sequence's cells as llama.cpp serializes them
 (`llama_state_seq_get_data`, one "layer"); `parse_seq_state` splits that blob into its K/V rows and the
-rest, following llama.cpp's writer (the layout: docs/internals.md, "llama.cpp sequence state").
-"""
+rest, following llama.cpp's writer (the layout: docs/internals.md, "llama.cpp sequence state")."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ to run an MoE bigger than the budget on llama.cpp (Linux).
 
 `ExpertPager` keeps dense tensors resident (locked where allowed), drops expert pages after the load and
 again whenever the process's file pages grew past `bound` (`MADV_DONTNEED`; the page cache keeps them):
-the process holds the dense weights plus at most `bound` of experts plus one step's touch.
-"""
+the process holds the dense weights plus at most `bound` of experts plus one step's touch."""
 
 from __future__ import annotations
 

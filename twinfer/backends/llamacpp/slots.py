@@ -28,7 +28,6 @@ class SlotKVSync(KVSync):
         self.evicted: set[int] = set()  # owners of blocks evicted since the last step
         blocks.on_evict = self._on_evict
 
-    # -- KVSync --------------------------------------------------------------------------------------
     def reusable(self, block_ids: list[int]) -> int:
         """Only a prefix some sequence still holds, and only with a slot free while a kept source stays."""
         while block_ids and self.owner.get(block_ids[-1]) is None:
@@ -89,7 +88,6 @@ class SlotKVSync(KVSync):
         for seq_id in list(self.retained):
             self._drop_retained(seq_id)
 
-    # -- internals -----------------------------------------------------------------------------------
     def _on_evict(self, block_id: int) -> None:
         owner = self.owner.pop(block_id, None)
         if owner is not None:

@@ -74,7 +74,6 @@ def mlx_weight(qw: QuantizedWeight | QuantizedExperts, dtype: mx.Dtype) -> Any:
     return mx.array(qw.dequantize()).astype(dtype)
 
 
-# -- KV cache --------------------------------------------------------------------------------------
 class MlxCodePacking:
     """Rows of `n` codes of `bits` bits <-> uint8 `[..., packed_width(n, bits)]`: TorchCodePacking in MLX."""
 

@@ -72,7 +72,6 @@ class MlxStates:
         self._capacity = capacity
         mx.eval(self.arrays())
 
-    # -- the ops ---------------------------------------------------------------------------------
     def causal_conv1d(self, x: mx.array, w: mx.array, st: MlxStateStep, q_index: mx.array, q_flat: mx.array,
                       layer: int) -> mx.array:
         """See Ops.causal_conv1d. x [T, Ch], w [Ch, K]; q_index [B, Tq] and q_flat [T] place the tokens."""

@@ -56,7 +56,6 @@ class Grammars:
         self._ll_tokenizer: Any = None
         self._executor: Any = None
 
-    # -- the llguidance side, built on first use ------------------------------------------------------
     def ll_tokenizer(self) -> Any:
         with self._lock:
             if self._ll_tokenizer is None:
@@ -71,7 +70,6 @@ class Grammars:
                 self._executor = llguidance.LLExecutor()
             return self._executor
 
-    # -- compiling ----------------------------------------------------------------------------------
     def compile(self, constraint: Constraint) -> Any:
         """The start-state matcher of `constraint` (shared: copy it before use); GrammarError if it
         does not compile or took longer than the time limit."""

@@ -46,8 +46,7 @@ class EngineConfig:
 
 
 class Engine:
-    """Owns the requests of one model. Not thread-safe: call from one thread (or use AsyncEngine).
-    With a `proposer` (runtime/speculative), decoding requests verify drafted tokens each step."""
+    """Owns the requests of one model; one thread only (or AsyncEngine). A `proposer` adds drafts."""
 
     def __init__(self, runner: Runner, tokenizer: Any = None, config: EngineConfig | None = None,
                  proposer: Proposer | None = None):
@@ -128,8 +127,7 @@ class Engine:
         return self._finish(request, "abort")
 
     def close(self) -> None:
-        """Abort everything and give back the sequences the runner kept for reuse (the runner and
-        the proposer stay usable: whoever made them closes them)."""
+        """Abort everything and release kept sequences; the runner and proposer stay usable."""
         for request_id in [r for r, req in self.requests.items() if not req.finished]:
             self.abort(request_id)
         self.kv_sync.close()

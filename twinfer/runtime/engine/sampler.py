@@ -1,7 +1,6 @@
 """Turning logits into tokens: logit bias, grammar masks, penalties, temperature, top-k, top-p, min-p,
 seeds and logprobs. Each request owns a seeded Generator, so its samples do not depend on its batch;
-logprobs are always those of the raw model distribution.
-"""
+logprobs are always those of the raw model distribution."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Running requests go first (decode, then unfinished prefill in chunks), then waiting ones are admitted
 while the token budget, sequence limit and free blocks allow. A request that cannot get a block
-preempts the least important running one; drafts get only leftover room. Nothing touches a device.
-"""
+preempts the least important running one; drafts get only leftover room. Nothing touches a device."""
 
 from __future__ import annotations
 

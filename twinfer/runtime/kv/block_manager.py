@@ -1,7 +1,5 @@
-"""KV block accounting with keyed full-block prefix reuse (vLLM-style automatic prefix caching).
-A full block's key is SHA-256 chained over its parent's key and its tokens; a hit is also checked
-against the stored tokens, so a colliding key never hands over another's KV. Unreferenced blocks stay
-cached until evicted LRU; per-sequence runners follow through `KVSync` (`on_evict`, `uncache`)."""
+"""KV block accounting with keyed full-block prefix reuse (vLLM-style automatic prefix caching); keys are
+SHA-256 chained over parent and tokens, and every hit is checked against the stored tokens."""
 
 from __future__ import annotations
 
@@ -76,7 +74,6 @@ class BlockManager:
         self.hits = 0  # prefix-cache tokens reused
         self.queries = 0  # prompt tokens looked up
 
-    # -- capacity ------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Blocks available without preempting anyone (free + evictable cached)."""
@@ -89,7 +86,6 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- prefix lookup ---------------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Block ids of the longest cached full-block prefix of `tokens` (not yet referenced).
         At least one token is always left uncached, so the request still computes logits."""
@@ -108,7 +104,6 @@ class BlockManager:
             link = (block_id, self.blocks[block_id].generation)
         return found
 
-    # -- allocation ------------------------------------------------------------------------------
     def allocate(self, seq_id: int, prefix: Sequence[int], num_tokens: int, tokens: Sequence[int]) -> None:
         """Give `seq_id` blocks for positions [0, num_tokens), reusing `prefix` first; blocks register for
         reuse once computed (`mark_computed`). Raises OutOfBlocks, changing nothing, when it cannot."""
@@ -185,7 +180,6 @@ class BlockManager:
         key = self.blocks[block_id].key
         return key is not None and self.by_key.get(key) == block_id
 
-    # -- internals -------------------------------------------------------------------------------
     def _holds(self, block_id: int, tokens: tuple[int, ...], parent: Link | None) -> bool:
         """Whether a registered block holds exactly `tokens` after exactly `parent`'s content."""
         block = self.blocks[block_id]

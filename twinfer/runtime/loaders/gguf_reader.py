@@ -79,7 +79,6 @@ class GGUFContents:
                 f"corrupt or truncated GGUF file {path} ({type(e).__name__}: {e}); re-download or re-convert it"
             ) from e
 
-    # -- public ---------------------------------------------------------------------------------
     def array(self, key: str) -> list[Any] | np.ndarray:
         """A metadata array by key, including the large ones (e.g. `tokenizer.ggml.tokens`).
         Numeric arrays come back as numpy arrays, string arrays as a list of str."""
@@ -98,7 +97,6 @@ class GGUFContents:
         """The tensor's stored bytes as a read-only uint8 view of the mapping (no copy)."""
         return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
-    # -- parsing --------------------------------------------------------------------------------
     def _parse(self) -> None:
         buf = self._map
         if buf[:4] != GGUF_MAGIC:

@@ -53,7 +53,6 @@ def rule(source: str, target: str | None, transform: str | None = None) -> Rule:
     return Rule(source, target, transform)
 
 
-# -- the mapper ------------------------------------------------------------------------------------
 def _compile(pattern: str) -> re.Pattern[str]:
     parts = re.split(r"(\{i\}|\{e\}|\{part\}|\{\*\})", pattern)
     groups = {"{i}": r"(?P<i>\d+)", "{e}": r"(?P<e>\d+)", "{part}": r"(?P<part>[a-z]+)", "{*}": r".*"}

@@ -56,12 +56,10 @@ class StoredTensor(Protocol):
         ...
 
     def read_region(self, region: Region) -> np.ndarray:
-        """`read()[region]` as a fresh float32 array, reading only the region's bytes where the format allows.
-        `region` has one slice per axis with concrete bounds (see `WeightSet.load_region`)."""
+        """`read()[region]` as a fresh float32 array, reading only the region's bytes where it can."""
         ...
 
 
-# -- transforms ------------------------------------------------------------------------------------
 Finish = Callable[[list[np.ndarray]], np.ndarray]
 # A box of the canonical weight read from the sources: (which sources, the box of each, how to combine).
 Narrowed = tuple[list[int], Region, Finish]
@@ -82,8 +80,7 @@ class Transform:
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # Inverse of llama.cpp convert_hf_to_gguf.permute: rows of each head go from interleaved
-    # (x0, x_half, x1, x_half+1, ...) back to HF's half-split rope layout.
+    # Inverse of llama.cpp's convert_hf_to_gguf.permute: interleaved rope rows back to HF's half-split
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -182,9 +179,8 @@ class WeightSet(Mapping[str, np.ndarray]):
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def load_region(self, name: str, region: Region) -> np.ndarray:
-        """`load(name)[region]`, reading only the region's bytes where the stored format and the
-        transform allow (`StoredTensor.read_region`, `Transform.narrow`); otherwise the whole weight
-        is read and cut. Returns a C-contiguous float32 array."""
+        """`load(name)[region]`, reading only the region's bytes where format and transform allow, else
+        the whole weight, cut. C-contiguous float32."""
         entry = self._entry(name)
         shape = entry.shape(self.spec)
         box = full_region(region, shape, name)

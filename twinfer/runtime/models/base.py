@@ -18,7 +18,6 @@ class Model:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
 
-    # -- weights -------------------------------------------------------------------------------
     def weight_shapes(self) -> Shapes:
         """Every canonical weight this model reads, with its shape, in load order."""
         s = self.spec
@@ -56,7 +55,6 @@ class Model:
         FF = s.intermediate_size
         return {p + "gate": (FF, C), p + "up": (FF, C), p + "down": (C, FF)}
 
-    # -- forward -------------------------------------------------------------------------------
     def forward(self, ops: Ops, w: Weights, ctx: StepContext) -> Array:
         """Token ids of the step -> final hidden states [T, C] (after the final norm)."""
         x = self.embed(ops, w, ctx)

@@ -7,7 +7,6 @@ from typing import Any
 from twinfer.runtime.loaders.names import NameTable, rule
 from twinfer.runtime.spec import FULL, SLIDING
 
-# -- GGUF (llama.cpp names) ------------------------------------------------------------------------
 GGUF_COMMON = (
     rule("token_embd.weight", "embed"),
     rule("output_norm.weight", "norm"),
@@ -42,7 +41,6 @@ GGUF_MOE = (
     rule("blk.{i}.ffn_down.{e}.weight", "layers.{i}.experts.down", "stack_experts"),
 )
 
-# -- Hugging Face (transformers names) -------------------------------------------------------------
 L = "model.layers.{i}."
 HF_COMMON = (
     rule("model.embed_tokens.weight", "embed"),
@@ -73,7 +71,6 @@ HF_DECODER = NameTable("llama-style decoder", HF_COMMON)
 GGUF_DECODER = NameTable("llama-style GGUF", GGUF_COMMON + GGUF_QK)
 
 
-# -- config readers ------------------------------------------------------------------------------
 def qwen_layer_types(c: dict[str, Any], n_layers: int) -> tuple[str, ...] | None:
     """Qwen's `use_sliding_window`: layers from `max_window_layers` on slide; None when it is off."""
     if not c.get("use_sliding_window") or not c.get("sliding_window"):

@@ -1,7 +1,6 @@
 """DeepSeek-V3 / R1 and Kimi K2 (`deepseek_v3`, `kimi_k2`): multi-head latent attention (MLA) and
 DeepSeek-MoE; `kv_b` is absorbed so attention runs over the cached latents. Checkpoint and GGUF
-(`deepseek2`) conventions: docs/models.md, "DeepSeek-V3".
-"""
+(`deepseek2`) conventions: docs/models.md, "DeepSeek-V3"."""
 
 from __future__ import annotations
 
@@ -86,7 +85,6 @@ def _mla(spec: ModelSpec) -> MLASpec:
     return spec.mla
 
 
-# -- weight transforms ---------------------------------------------------------------------------
 def _deinterleave(rows: int, start: int, length: int) -> np.ndarray:
     """Row order that moves the interleaved rope pairs of each block [start, start + length) of
     `rows` rows to half-split order: x0, x2, ..., x1, x3, ..."""
@@ -174,7 +172,6 @@ GGUF_NAMES = NameTable(
 )
 
 
-# -- config --------------------------------------------------------------------------------------
 UNSUPPORTED = {  # config keys of features twinfer does not run yet, with what they are
     "index_topk": "DeepSeek sparse attention's indexer",
     "index_n_heads": "DeepSeek sparse attention's indexer",

@@ -1,7 +1,6 @@
 """DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3 with DeepSeek sparse attention (DSA): a lightning indexer
 picks each query's `index_topk` tokens, applied as an exact mask over the latent attention; its keys
-share the latents' slots (docs/models.md, "DeepSeek-V3.2").
-"""
+share the latents' slots (docs/models.md, "DeepSeek-V3.2")."""
 
 from __future__ import annotations
 
@@ -63,7 +62,6 @@ def _dsa(spec: ModelSpec) -> DSASpec:
     return spec.dsa
 
 
-# -- weight transforms ---------------------------------------------------------------------------
 def _indexer_rope_rows(part: str) -> Transform:
     """Interleaved indexer rope (GLM-5) to half-split: permute the first P rows of each indexer head
     (`q`) or of the key (`k`, its LayerNorm's weight and bias); a no-op for half-split checkpoints."""
@@ -103,7 +101,6 @@ GGUF_RULES = (  # llama.cpp's names for the indexer (deepseek32, glm-dsa)
 )
 
 
-# -- config --------------------------------------------------------------------------------------
 def hf_config(c: dict[str, Any]) -> dict[str, Any]:
     """The config less transformers' `layer_types` (every layer is DSA), which no generic reader knows."""
     types = c.get("layer_types")

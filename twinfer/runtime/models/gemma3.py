@@ -34,7 +34,6 @@ class Model(_Decoder):
         return x + ops.rms_norm(h, w[p + "post_mlp_norm"], eps)
 
 
-# -- weight names --------------------------------------------------------------------------------
 PLUS1 = "norm_plus_one"
 HF_NAMES = NameTable(
     "gemma3",
@@ -69,7 +68,6 @@ GGUF_NAMES = GGUF_DECODER.extended("gemma3 GGUF", GGUF_QK_NORM + (
 ))
 
 
-# -- config --------------------------------------------------------------------------------------
 def hf_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text model's keys: a multimodal config nests them in `text_config`."""
     text = config.get("text_config") if config.get("model_type") == "gemma3" else None

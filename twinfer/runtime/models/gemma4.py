@@ -1,7 +1,6 @@
 """Gemma 4 (text): Gemma 3's sandwich-norm decoder with two kinds of attention layer, per-layer
 embeddings, KV shared by the last layers, and an MoE block beside the dense MLP (docs/models.md,
-"Gemma 4").
-"""
+"Gemma 4")."""
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ class Model(_Decoder):
         self.k_eq_v = bool(extra.get("k_eq_v", False))
         self.double_wide = bool(extra.get("double_wide_mlp", False))
 
-    # -- weights -------------------------------------------------------------------------------
     def weight_shapes(self) -> Shapes:
         s = self.spec
         C, N, P = s.hidden_size, s.num_layers, self.ple_dim
@@ -81,7 +79,6 @@ class Model(_Decoder):
         wide = self.double_wide and not self.spec.owns_kv(layer)
         return self.spec.intermediate_size * (2 if wide else 1)
 
-    # -- forward -------------------------------------------------------------------------------
     def block(self, ops: Ops, w: Weights, p: str, layer: int, x: Array, ctx: StepContext) -> Array:
         eps = self.spec.rms_norm_eps
         h = self.attention(ops, w, p, layer, ops.rms_norm(x, w[p + "attn_norm"], eps), ctx)
@@ -136,7 +133,6 @@ class Model(_Decoder):
         return (ops.rms_norm(mixed, w["per_layer.norm"], s.rms_norm_eps) + token) * (2.0**-0.5)
 
 
-# -- weight names --------------------------------------------------------------------------------
 def _per_layer_table(a: list[np.ndarray], spec: ModelSpec) -> np.ndarray:
     """[V, N*P] (all layers' vectors side by side) -> [N, V, P]: one contiguous table per layer."""
     V, NP = a[0].shape
@@ -193,7 +189,6 @@ HF_NAMES = NameTable(
 )
 
 
-# -- config --------------------------------------------------------------------------------------
 def hf_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text model's keys: a multimodal config nests them in `text_config`."""
     text = config.get("text_config") if config.get("model_type") == "gemma4" else None

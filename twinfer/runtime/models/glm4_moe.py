@@ -1,7 +1,6 @@
 """GLM-4.5 / 4.6 / 4.5-Air (`glm4_moe`): grouped-query attention with partial rotary and optional
 QK-norm, DeepSeek-style MoE after `first_k_dense_replace` dense layers; MTP layers are skipped by name
-(docs/models.md, "GLM-4.5").
-"""
+(docs/models.md, "GLM-4.5")."""
 
 from __future__ import annotations
 

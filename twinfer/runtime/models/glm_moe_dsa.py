@@ -1,6 +1,5 @@
 """GLM-5 (`glm_moe_dsa`): DeepSeek-V3.2's sparse attention with an interleaved indexer rope and
-"shared" layers that reuse the last full layer's choice (docs/models.md, "GLM-5").
-"""
+"shared" layers that reuse the last full layer's choice (docs/models.md, "GLM-5")."""
 
 from __future__ import annotations
 

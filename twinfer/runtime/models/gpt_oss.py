@@ -1,7 +1,6 @@
 """gpt-oss (`gpt_oss`): attention with per-head sinks, alternating sliding and full layers, YaRN rope,
 biased Q/K/V/O; a biased router and experts running a clamped SwiGLU. Expert layouts (interleaved
-gate/up, MXFP4, GGUF): docs/models.md, "gpt-oss".
-"""
+gate/up, MXFP4, GGUF): docs/models.md, "gpt-oss"."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ class Model(_Decoder):
                        self.spec.moe, self.spec.hidden_act, extras)
 
 
-# -- weight names and transforms -----------------------------------------------------------------
 def _columns(part: int, transpose: bool) -> Transform:
     """Every other column of the last axis from `part` (0: gate, 1: up), moved to rows when `transpose`."""
 

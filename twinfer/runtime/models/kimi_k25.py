@@ -1,7 +1,6 @@
 """Kimi K2.5 (`kimi_k25`): a multimodal wrapper around a DeepSeek-V3 text model, run as deepseek_v3.
 The vision tower is skipped by name and images are refused; INT4 experts load as published
-(docs/models.md, "Kimi K2.5").
-"""
+(docs/models.md, "Kimi K2.5")."""
 
 from __future__ import annotations
 

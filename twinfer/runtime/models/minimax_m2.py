@@ -1,6 +1,5 @@
 """MiniMax-M2 / M2.1 / M2.5 (`minimax_m2`): attention with QK RMSNorm over the whole projection and
-partial rotary, and a sigmoid-routed MoE without shared experts (docs/models.md, "MiniMax-M2").
-"""
+partial rotary, and a sigmoid-routed MoE without shared experts (docs/models.md, "MiniMax-M2")."""
 
 from __future__ import annotations
 

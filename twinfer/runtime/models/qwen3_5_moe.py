@@ -1,7 +1,6 @@
 """Qwen3.5 MoE (the text model): Qwen3-Next's hybrid layers, with the linear projections stored apart,
 always-renormalized routing and a multimodal checkpoint whose text model alone is read
-(docs/models.md, "Qwen3.5 MoE").
-"""
+(docs/models.md, "Qwen3.5 MoE")."""
 
 from __future__ import annotations
 

@@ -51,7 +51,6 @@ ARCH = Architecture(
 )
 
 
-# -- a synthetic checkpoint of any size (runtime/synthetic.py writes it) ---------------------------
 @dataclass(frozen=True)
 class SyntheticMoE:
     """The shape of a synthetic qwen3_moe model."""

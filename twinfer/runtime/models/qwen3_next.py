@@ -1,7 +1,6 @@
 """Qwen3-Next: a hybrid of Gated DeltaNet (linear attention) and gated full attention, with MoE.
 Layers follow `layer_types`; the checkpoint's grouped projections are split at load
-(docs/models.md, "Qwen3-Next").
-"""
+(docs/models.md, "Qwen3-Next")."""
 
 from __future__ import annotations
 
@@ -60,7 +59,6 @@ class Model(_Decoder):
                     p + "shared_gate": (1, C)}
         return out
 
-    # -- forward -------------------------------------------------------------------------------
     def block(self, ops: Ops, w: Weights, p: str, layer: int, x: Array, ctx: StepContext) -> Array:
         eps = self.spec.rms_norm_eps
         h = ops.rms_norm(x, w[p + "attn_norm"], eps)
@@ -106,7 +104,6 @@ class Model(_Decoder):
         return out
 
 
-# -- weight transforms ---------------------------------------------------------------------------
 def _la(spec: ModelSpec) -> LinearAttnSpec:
     assert spec.linear_attn is not None
     return spec.linear_attn
@@ -188,7 +185,6 @@ HF_NAMES = NameTable("qwen3_next", HF_RULES + (
 ), transforms=TRANSFORMS)
 
 
-# -- config --------------------------------------------------------------------------------------
 def hf_spec(c: dict[str, Any], fields: Fields) -> Fields:
     n = fields["num_layers"]
     types = c.get("layer_types") or [

@@ -1,7 +1,6 @@
 """Speculative decoding: proposers (ngram, draft model, self-draft) guess the next tokens, one target
 pass verifies them losslessly (accept.py); adaptive.py picks the draft length, speculator.py is the
-engine's side, options.py parses `--speculate`.
-"""
+engine's side, options.py parses `--speculate`."""
 
 from twinfer.runtime.speculative.draft_model import DraftModelProposer, SelfDraftProposer
 from twinfer.runtime.speculative.ngram import NgramProposer

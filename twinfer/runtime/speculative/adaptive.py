@@ -1,7 +1,6 @@
 """How many tokens to draft: per request, the k in [0, max_k] that maximizes E(k) / C(k), the expected
 tokens over the measured step cost; k = 0 turns speculation off until a later probe
-(docs/internals.md, "Speculative decoding").
-"""
+(docs/internals.md, "Speculative decoding")."""
 
 from __future__ import annotations
 

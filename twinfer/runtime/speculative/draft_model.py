@@ -65,7 +65,6 @@ class DraftModelProposer(Proposer):
         if close is not None:
             close()
 
-    # -- the draft's own KV ---------------------------------------------------------------------------
     def _reserve(self, q: DraftQuery) -> int | None:
         """Blocks for the draft's positions [0, len(tokens) + k - 1); the first position to feed."""
         held = self.held.get(q.seq_id)

@@ -1,7 +1,6 @@
 """N-gram prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding): propose what followed the most
 recent earlier occurrence of the request's last n tokens (`max_n` down to `min_n`, at least 3). An
-incremental index keeps a lookup O(max_n); the draft is a point mass.
-"""
+incremental index keeps a lookup O(max_n); the draft is a point mass."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Build a Hugging Face `tokenizers` tokenizer that reproduces llama.cpp's tokenizer for a GGUF vocabulary:
 "llama" (SentencePiece: BPE with merges derived from scores, byte fallback) and "gpt2" (byte-level BPE,
-pre-tokenizer by `tokenizer.ggml.pre`), mirroring `llama-vocab.cpp` (docs/internals.md, "Tokenizers").
-"""
+pre-tokenizer by `tokenizer.ggml.pre`), mirroring `llama-vocab.cpp` (docs/internals.md, "Tokenizers")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """gpt-oss chat prompts in the harmony format, rendered as openai-harmony renders them (checked against
 its golden renderings) without downloading its vocabulary; what a request becomes: docs/internals.md,
-"Harmony prompts".
-"""
+"Harmony prompts"."""
 
 from __future__ import annotations
 
@@ -104,7 +103,6 @@ def _turns(chat: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-# -- JSON Schema -> harmony's TypeScript-like types (openai-harmony's json_schema_to_typescript) -------
 def _is_enum(schema: Mapping[str, Any]) -> bool:
     return isinstance(schema.get("enum"), list) and bool(schema["enum"])
 

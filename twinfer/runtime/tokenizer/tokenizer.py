@@ -45,7 +45,6 @@ class Tokenizer:
         self._byte_ids, self._byte_values = _byte_fallback_tokens(backend)
         self._single: dict[tuple[int, bool], str] = {}  # decode() of one id: at most two per vocabulary id
 
-    # --- construction -------------------------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
@@ -98,7 +97,6 @@ class Tokenizer:
             source=str(root),
         )
 
-    # --- encoding / decoding ------------------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
@@ -136,8 +134,7 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def _repair_byte_runs(self, ids: list[int]) -> list[int]:
-        # tokenizers' ByteFallback turns a whole run of byte tokens into U+FFFDs when any of it is invalid;
-        # re-encoding such a run with Python's replacement gives the standard result instead.
+        # ByteFallback turns a whole invalid byte run into U+FFFDs; Python's replacement is the standard result
         values = self._byte_values
         if values.keys().isdisjoint(ids):
             return ids
@@ -193,7 +190,6 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._tok.id_to_token(self.eos_id) if self.eos_id is not None else None
 
-    # --- chat ---------------------------------------------------------------------------------------
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -231,7 +227,6 @@ def _byte_fallback_tokens(backend: HFTokenizer) -> tuple[list[int], dict[int, in
     return ids, {i: b for b, i in enumerate(ids)}
 
 
-# --- Hugging Face folder helpers ----------------------------------------------------------------------
 
 
 def _read_json(path: Path) -> dict[str, Any]:

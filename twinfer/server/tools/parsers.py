@@ -1,7 +1,6 @@
 """Tool-call output parsers, one per template family (hermes, llama3, mistral, harmony, generic), all
 streaming. A call that does not parse comes back as content, counted in `Delta.failures`; a cut reply
-keeps its complete calls (docs/internals.md, "Tool calls").
-"""
+keeps its complete calls (docs/internals.md, "Tool calls")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """How one chat request's tools are served: `plan_tools` returns a `ToolPlan` (template tools or the
-generic form, a constraint for `tool_choice`, a fresh parser per choice) (docs/internals.md, "Tool calls").
-"""
+generic form, a constraint for `tool_choice`, a fresh parser per choice) (docs/internals.md, "Tool calls")."""
 
 from __future__ import annotations
 

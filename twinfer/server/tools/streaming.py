@@ -1,7 +1,6 @@
 """Tool-call arguments streamed as they are generated (as vLLM and OpenAI stream them): id and name
 first, then argument pieces that join to the final `arguments`. A call repeating an earlier one word for
-word ends the reply's calls and is never streamed (docs/internals.md, "Tool calls").
-"""
+word ends the reply's calls and is never streamed (docs/internals.md, "Tool calls")."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Each program widens a tile of E4M3 codes to the activations' dtype in registers (activations stay in 16
 bits) and applies the per-channel scale at the end; K splits write float32 partial sums that one
-reduction adds, so the result is order-independent (docs/benchmarks.md, "GPU: one H200").
-"""
+reduction adds, so the result is order-independent (docs/benchmarks.md, "GPU: one H200")."""
 
 from __future__ import annotations
 
