@@ -42,6 +42,17 @@ ExpertArrays = tuple[Any, Any, Any]  # gate [I, C], up [I, C], down [C, I] on th
 
 
 @dataclass(frozen=True)
+class Routed:
+    """One expert's share of an MoE step: its id, the rows routed to it (`tok`), the top-k slot that
+    picked it in each of those rows (`slot`), and the step's routing weights [T, k] on the backend."""
+
+    expert: int
+    tok: np.ndarray
+    slot: np.ndarray
+    weights: Any
+
+
+@dataclass(frozen=True)
 class ExpertHandle:
     """Stands in the weights dict for a streamed `layers.{layer}.experts.{part}` tensor."""
 
@@ -427,7 +438,7 @@ class StreamingOps:
         for e in sorted(set(experts.flatten().tolist())):  # ascending, as the resident dispatch runs
             tok, slot = np.nonzero(experts == e)
             g, u, d = self.cache.fetch(layer, e)
-            out = self._expert_out(out, x, tok, slot, weights, (g, u, d), e, moe, act, extras)
+            out = self._expert_out(out, x, Routed(e, tok, slot, weights), (g, u, d), moe, act, extras)
         self.cache.settle(layer)
         return out
 
@@ -440,8 +451,8 @@ class StreamingOps:
         """The experts `router` would pick for the rows of x, most likely first."""
         raise NotImplementedError
 
-    def _expert_out(self, out: Any, x: Any, tok: np.ndarray, slot: np.ndarray, weights: Any,
-                    arrays: ExpertArrays, expert: int, moe: Any, act: str, extras: Any) -> Any:
-        """out (None at first) + weights[tok, slot] * expert(x[tok]) scattered to rows `tok`; `expert`
-        indexes the resident per-expert biases in `extras`."""
+    def _expert_out(self, out: Any, x: Any, routed: Routed, arrays: ExpertArrays, moe: Any, act: str,
+                    extras: Any) -> Any:
+        """out (None at first) + weights[tok, slot] * expert(x[tok]) scattered to rows `tok` (all of
+        `routed`); `routed.expert` indexes the resident per-expert biases in `extras`."""
         raise NotImplementedError

@@ -13,11 +13,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from twinfer.backends.cuda.ops import TorchOps
+from twinfer.backends.cuda.ops import ExpertStack, TorchOps
 from twinfer.runtime.experts import (
     ExpertArrays,
     ExpertCache,
     ExpertReader,
+    Routed,
     StreamingOps,
     expert_params,
     streaming_weights,
@@ -42,15 +43,15 @@ class TorchStreamingOps(StreamingOps):
         scores = F.linear(x, router).float().softmax(-1).mean(0)  # [E] mean over the step's rows
         return [int(e) for e in scores.topk(k).indices.tolist()]
 
-    def _expert_out(self, out: torch.Tensor | None, x: torch.Tensor, tok: np.ndarray, slot: np.ndarray,
-                    weights: torch.Tensor, arrays: ExpertArrays, expert: int, moe: MoESpec, act: str,
-                    extras: ExpertExtras | None) -> torch.Tensor:
+    def _expert_out(self, out: torch.Tensor | None, x: torch.Tensor, routed: Routed, arrays: ExpertArrays,
+                    moe: MoESpec, act: str, extras: ExpertExtras | None) -> torch.Tensor:
         if out is None:
             out = torch.zeros_like(x)
-        rows = torch.as_tensor(tok, device=x.device)
-        cols = torch.as_tensor(slot, device=x.device)
+        expert, weights = routed.expert, routed.weights
+        rows = torch.as_tensor(routed.tok, device=x.device)
+        cols = torch.as_tensor(routed.slot, device=x.device)
         gate, up, down = (a[None] for a in arrays)  # [1, ...]: the resident loop's expert 0
-        y = self.inner._expert(x[rows], 0, gate, up, down, act, 0, moe, _one_expert(extras, expert))  # noqa: SLF001
+        y = self.inner._expert(x[rows], 0, ExpertStack(gate, up, down), act, moe, _one_expert(extras, expert))  # noqa: SLF001
         out.index_add_(0, rows, y * weights[rows, cols][:, None])
         return out
 

@@ -21,6 +21,17 @@ from twinfer.runtime.rope import attention_factor, inv_freq
 from twinfer.runtime.spec import LINEAR, SIGMOID, ModelSpec, MoESpec
 
 
+@dataclass(frozen=True)
+class ExpertStack:
+    """The routed experts held here, stacked: gate/up [E, I, C], down [E, C, I]; local expert e is the
+    model's expert `first + e` (expert parallelism holds a contiguous slice)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    first: int = 0
+
+
 @dataclass
 class TorchStep:
     """Device-side view of one StepBatch (see Ops.begin_step)."""
@@ -367,7 +378,7 @@ class TorchOps:
         extras: ExpertExtras | None = None,
     ) -> torch.Tensor:
         weights, experts = self.route(x, router, moe, extras)
-        return self.experts(x, weights, experts, gate, up, down, act, first=0, moe=moe, extras=extras)
+        return self.experts(x, weights, experts, ExpertStack(gate, up, down), act, moe=moe, extras=extras)
 
     def route(self, x: torch.Tensor, router: torch.Tensor, moe: MoESpec, extras: ExpertExtras | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,25 +398,16 @@ class TorchOps:
             weights = weights * extras.expert_scale.float()[experts]
         return weights.to(x.dtype), experts
 
-    def experts(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        experts: torch.Tensor,
-        gate: torch.Tensor,
-        up: torch.Tensor,
-        down: torch.Tensor,
-        act: str,
-        first: int,
-        moe: MoESpec | None = None,
-        extras: ExpertExtras | None = None,
-    ) -> torch.Tensor:
-        """Sum of the routed experts held here (ids first .. first + len(gate)) over x [T, C].
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, stack: ExpertStack, act: str,
+                moe: MoESpec | None = None, extras: ExpertExtras | None = None) -> torch.Tensor:
+        """Sum of the routed experts held here (`stack`: ids first .. first + len(gate)) over x [T, C];
+        weights/experts [T, k] are the routing.
 
         Dispatch: sort the (token, slot) pairs by expert; combine: index_add the weighted outputs.
         On the triton path one fused grouped GEMM does both, without waiting for the device.
         `moe`/`extras` carry the expert biases and gpt-oss's clamped SwiGLU, which only the loop runs.
         """
+        gate, up, down, first = stack.gate, stack.up, stack.down, stack.first
         plain = (moe is None or moe.swiglu_limit is None) and (extras is None or extras.gate_bias is None)
         if plain and self._k is not None and all(isinstance(t, torch.Tensor) for t in (gate, up, down)):
             fused: torch.Tensor = self._k.fused_moe(x, gate, up, down, experts, weights, act, first=first)
@@ -423,36 +425,36 @@ class TorchOps:
             picks = order[start : start + n]
             start += n
             tok = picks // k
-            y = self._expert(x[tok], e, gate, up, down, act, first, moe, extras)
+            y = self._expert(x[tok], e, stack, act, moe, extras)
             out.index_add_(0, tok, y * weights.flatten()[picks, None])
         return out
 
-    def _expert(self, h: torch.Tensor, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
-                first: int, moe: MoESpec | None, extras: ExpertExtras | None) -> torch.Tensor:
-        """Local expert `e` over its tokens' rows h [n, C] -> [n, C]."""
+    def _expert(self, h: torch.Tensor, e: int, stack: ExpertStack, act: str, moe: MoESpec | None,
+                extras: ExpertExtras | None) -> torch.Tensor:
+        """Local expert `e` of `stack` over its tokens' rows h [n, C] -> [n, C]."""
         def bias(b: torch.Tensor | None) -> torch.Tensor | None:
             return None if b is None else b[e]  # biases are held like the experts: local ids
 
         xb = extras or ExpertExtras()
-        g = F.linear(h, gate[e], bias(xb.gate_bias))
-        u = F.linear(h, up[e], bias(xb.up_bias))
+        g = F.linear(h, stack.gate[e], bias(xb.gate_bias))
+        u = F.linear(h, stack.up[e], bias(xb.up_bias))
         if moe is not None and moe.swiglu_limit is not None:  # gpt-oss
             limit = moe.swiglu_limit
             g, u = g.clamp(max=limit), u.clamp(-limit, limit)
             a = g * torch.sigmoid(g * moe.swiglu_alpha) * (u + 1)
         else:
             a = self.act(g, act) * u
-        return F.linear(a, down[e], bias(xb.down_bias))
+        return F.linear(a, stack.down[e], bias(xb.down_bias))
 
     # -- linear attention (recurrent.py) ------------------------------------------------------------
     def causal_conv1d(self, x: torch.Tensor, w: torch.Tensor, ctx: TorchStep, layer: int) -> torch.Tensor:
         assert self.states is not None
-        return self.states.causal_conv1d(x, w, ctx.state, ctx.q_index, ctx.q_valid, layer)
+        return self.states.causal_conv1d(x, w, ctx, layer)
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     decay: torch.Tensor, dt_bias: torch.Tensor, ctx: TorchStep, layer: int) -> torch.Tensor:
         assert self.states is not None
-        return self.states.gated_delta(q, k, v, a, b, decay, dt_bias, ctx.state, ctx.q_index, ctx.q_valid, layer)
+        return self.states.gated_delta(q, k, v, a, b, decay, dt_bias, ctx, layer)
 
     def release_state(self, seq_id: int) -> None:
         if self.states is not None:

@@ -18,6 +18,7 @@ from twinfer.runtime.experts import (
     ExpertArrays,
     ExpertCache,
     ExpertReader,
+    Routed,
     StreamingOps,
     expert_params,
     streaming_weights,
@@ -44,11 +45,11 @@ class MlxStreamingOps(StreamingOps):
         order = np.argsort(-np.array(scores), kind="stable")
         return [int(e) for e in order[:k]]
 
-    def _expert_out(self, out: mx.array | None, x: mx.array, tok: np.ndarray, slot: np.ndarray,
-                    weights: mx.array, arrays: ExpertArrays, expert: int, moe: MoESpec, act: str,
-                    extras: ExpertExtras | None) -> mx.array:
+    def _expert_out(self, out: mx.array | None, x: mx.array, routed: Routed, arrays: ExpertArrays,
+                    moe: MoESpec, act: str, extras: ExpertExtras | None) -> mx.array:
         if out is None:
             out = mx.zeros_like(x)
+        expert, tok, slot, weights = routed.expert, routed.tok, routed.slot, routed.weights
         gate, up, down = arrays
         xb = extras or ExpertExtras()
 

@@ -14,21 +14,23 @@ from typing import Any
 
 import torch
 
+from twinfer.backends.cuda.ops import ExpertStack
 from twinfer.backends.cuda.parallel.comm import Comm
 
 
 def all_to_all_moe(ops: Any, stage: Comm, tp: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                   gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str, first: int) -> torch.Tensor:
+                   stack: ExpertStack, act: str) -> torch.Tensor:
     """The routed-expert sum over x [T, C] (same on every rank of `stage`); `ops.experts` runs the local ones.
 
-    `experts`/`weights` [T, k] are the replicated routing; this rank holds experts first .. first + len(gate).
+    `experts`/`weights` [T, k] are the replicated routing; this rank holds `stack`, experts first .. first +
+    len(gate).
     """
     T, C = x.shape
     n, me, k, dev = stage.size, stage.rank, experts.shape[1], x.device
     bounds = [T * i // n for i in range(n + 1)]
     lo, hi = bounds[me], bounds[me + 1]
     ids = experts[lo:hi].flatten()  # [Pm] this rank's pairs
-    group = ids // gate.shape[0]  # expert group holding each pair's expert
+    group = ids // stack.gate.shape[0]  # expert group holding each pair's expert
     dest = (group[:, None] * tp + torch.arange(tp, device=dev)[None, :]).flatten()  # [Pm * tp] stage ranks
     order = dest.argsort(stable=True)
     pair = torch.arange(ids.numel(), device=dev).repeat_interleave(tp)[order]  # [S] pair of each sent row
@@ -38,7 +40,7 @@ def all_to_all_moe(ops: Any, stage: Comm, tp: int, x: torch.Tensor, weights: tor
     rows = stage.all_to_all(x.new_empty((sum(recv), C)), x[lo:hi][pair // k], recv, send)  # [R, C]
     their_ids = stage.all_to_all(ids.new_empty(sum(recv)), ids[pair], recv, send)  # [R]
     ones = x.new_ones((rows.shape[0], 1))  # the router weights are applied by the token's owner
-    y = ops.experts(rows, ones, their_ids[:, None], gate, up, down, act, first)  # [R, C] partial over tp
+    y = ops.experts(rows, ones, their_ids[:, None], stack, act)  # [R, C] partial over tp
     back = stage.all_to_all(x.new_empty((pair.numel(), C)), y, send, recv)  # [S, C]
     mine = torch.zeros((hi - lo, C), dtype=x.dtype, device=dev)
     mine.index_add_(0, pair // k, back * weights[lo:hi].flatten()[pair][:, None])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from twinfer.backends.cuda.ops import TorchOps
+from twinfer.backends.cuda.ops import ExpertStack, TorchOps
 from twinfer.backends.cuda.parallel.comm import Comm
 from twinfer.backends.cuda.parallel.dispatch import all_to_all_moe
 from twinfer.backends.cuda.parallel.layout import ParallelConfig, RankPosition
@@ -86,11 +86,10 @@ class ParallelTorchOps(TorchOps):
         extras = self._local_extras(extras)
         weights, experts = self.route(x, router, moe, extras)  # the router is replicated: same routing everywhere
         plain = moe.swiglu_limit is None and (extras is None or extras.gate_bias is None)
+        stack = ExpertStack(gate.tensor, up.tensor, down.tensor, first=gate.offset)
         if plain and self.config.ep_all_to_all(x.shape[0], moe.top_k):
-            return all_to_all_moe(self, self.stage, self.tp.size, x, weights, experts, gate.tensor, up.tensor,
-                                  down.tensor, act, gate.offset)
-        out = self.experts(x, weights, experts, gate.tensor, up.tensor, down.tensor, act, first=gate.offset,
-                           moe=moe, extras=extras)
+            return all_to_all_moe(self, self.stage, self.tp.size, x, weights, experts, stack, act)
+        out = self.experts(x, weights, experts, stack, act, moe=moe, extras=extras)
         return self.stage.all_reduce(out)  # combine: every expert group's and tensor rank's share
 
     def _local_extras(self, extras: ExpertExtras | None) -> ExpertExtras | None:
