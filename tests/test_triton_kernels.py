@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from twinfer.backends.cuda.kernels.fp8_gemm import fp8_weight_gemm  # noqa: E402
 from twinfer.backends.cuda.kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
-from twinfer.backends.cuda.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from twinfer.backends.cuda.kernels.paged_attention import DecodeTiles, paged_decode_attention  # noqa: E402
 from twinfer.backends.cuda.kernels.reference import (  # noqa: E402
     fused_moe_ref,
     paged_decode_attention_ref,
@@ -53,7 +53,7 @@ def test_paged_decode_attention_matches_reference(window: int | None, splits: in
     q = torch.randn(B, H, D, generator=g)
     args = (k_cache, v_cache, tables, lens, bs, D**-0.5, window)
     got = paged_decode_attention(q.to(DEVICE), *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args),
-                                 block_n=16, splits=splits)
+                                 tiles=DecodeTiles(block_n=16, splits=splits))
     want = paged_decode_attention_ref(q, *args)
     assert (got.cpu() - want).abs().max() <= 1e-5
 
@@ -70,7 +70,7 @@ def test_paged_decode_attention_in_half_precision_stays_near_float(dtype: torch.
     tables, lens, q = torch.arange(8).view(B, 4), torch.tensor([50, 64]), torch.randn(B, H, D, generator=g)
     want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, bs, D**-0.5)
     got = paged_decode_attention(*(a.to(DEVICE, dtype) for a in (q, k_cache, v_cache)),
-                                 tables.to(DEVICE), lens.to(DEVICE), bs, D**-0.5, splits=2)
+                                 tables.to(DEVICE), lens.to(DEVICE), bs, D**-0.5, tiles=DecodeTiles(splits=2))
     assert (got.float().cpu() - want).abs().max() <= 2e-2
 
 

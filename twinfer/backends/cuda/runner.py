@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +12,7 @@ from twinfer.backends.cuda.formats import convert_weight, native_weight_format
 from twinfer.backends.cuda.graphs import TorchRunner
 from twinfer.backends.cuda.kv_port import TorchKVPort
 from twinfer.backends.cuda.ops import TorchOps
+from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK
 from twinfer.runtime.kv.traffic import StepTraffic, held_bytes, resident_traffic
 from twinfer.runtime.runner import KVLayout
 from twinfer.runtime.spec import ModelSpec
@@ -19,56 +21,66 @@ if TYPE_CHECKING:
     from twinfer.runtime.loaders import LoadedModel
 
 
-def load_torch_runner(loaded: LoadedModel, **options: Any) -> TorchRunner:
-    """`build_torch_runner` (same options) for a model from `runtime.loaders.load_model`: its weight set
-    is the mapping, so each weight is read from the file and moved to the device one at a time."""
-    return build_torch_runner(loaded.spec, loaded.weights, **options)
-
-
-def build_torch_runner(
-    spec: ModelSpec,
-    weights: Mapping[str, Any],
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    kv_tokens: int = 4096,
-    block_size: int = 16,
-    kv_format: str | None = None,
-    weight_format: str | None = None,
-    kernels: str | None = None,
-    cuda_graphs: bool = True,
-    padded_steps: bool | None = None,
-    packed_weights: bool | None = None,
-) -> TorchRunner:
-    """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights, read
-    one at a time, with a paged KV cache of `kv_tokens` positions in blocks of `block_size`.
-    `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant.
+@dataclass(frozen=True)
+class TorchOptions:
+    """How `build_torch_runner` builds a runner: a paged KV cache of `kv_tokens` positions in blocks of
+    `block_size`. `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant.
     `weight_format` "fp8" stores the dense projections as FP8 (formats.py); on a GPU a format it
     cannot multiply natively is refused. `kernels`: "auto" (triton on CUDA), "triton" or "torch";
     `cuda_graphs`: replay decode steps from CUDA graphs on a GPU (graphs.py). `padded_steps`: keep the
     scratch KV block of padded decode steps (default: only where CUDA graphs can run; True lets a CPU
     test call `step_padded`). `packed_weights`: keep a published checkpoint's fp8/nvfp4/mxfp4 weights in
     their bytes, the datacenter target (default: on a GPU); otherwise they are dequantized at load."""
-    fmt = native_weight_format(weight_format, torch.device(device))
-    if packed_weights is None:
-        packed_weights = torch.device(device).type == "cuda"
-    if block_size <= 0 or kv_tokens < block_size:
-        raise ValueError(
-            f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
-        )
-    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size), recurrent=spec.recurrent)
-    if padded_steps is None:
-        padded_steps = cuda_graphs and torch.device(device).type == "cuda"
+
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32
+    kv_tokens: int = 4096
+    block_size: int = 16
+    kv_format: str | None = None
+    weight_format: str | None = None
+    kernels: str | None = None
+    cuda_graphs: bool = True
+    padded_steps: bool | None = None
+    packed_weights: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.kv_tokens < self.block_size:
+            raise ValueError(f"KV cache of {self.kv_tokens} tokens in blocks of {self.block_size}: "
+                             "need kv_tokens >= block_size > 0")
+
+    @property
+    def on_gpu(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+
+def load_torch_runner(loaded: LoadedModel, options: TorchOptions | None = None, **fields: Any) -> TorchRunner:
+    """`build_torch_runner` (same options) for a model from `runtime.loaders.load_model`: its weight set
+    is the mapping, so each weight is read from the file and moved to the device one at a time."""
+    return build_torch_runner(loaded.spec, loaded.weights, options, **fields)
+
+
+def build_torch_runner(spec: ModelSpec, weights: Mapping[str, Any], options: TorchOptions | None = None,
+                       **fields: Any) -> TorchRunner:
+    """A torch runner from canonical-name -> host tensor (numpy float32 or QuantizedWeight) weights, read
+    one at a time, built as `options` says; `fields` set single `TorchOptions` fields over it
+    (`build_torch_runner(spec, weights, kv_tokens=64)`)."""
+    o = replace(options or TorchOptions(), **fields)
+    fmt = native_weight_format(o.weight_format, torch.device(o.device))
+    packed_weights = o.on_gpu if o.packed_weights is None else o.packed_weights
+    block_size = o.block_size
+    kv = KVLayout(block_size=block_size, num_blocks=-(-o.kv_tokens // block_size), recurrent=spec.recurrent,
+                  state_rollback=DRAFT_ROLLBACK if spec.recurrent else 0)  # recurrent.py keeps drafts' states
+    padded_steps = o.cuda_graphs and o.on_gpu if o.padded_steps is None else o.padded_steps
     ops = TorchOps(  # padded decode steps get one block more than the engine sees: their rows' scratch
-        spec, num_blocks=kv.num_blocks + int(padded_steps), block_size=block_size, device=device, dtype=dtype, kv_format=kv_format,
-        kernels=kernels, packed_weights=packed_weights,
+        spec, num_blocks=kv.num_blocks + int(padded_steps), block_size=block_size, device=o.device, dtype=o.dtype,
+        kv_format=o.kv_format, kernels=o.kernels, packed_weights=packed_weights,
     )
     converted = {}
     for name in weights:
         if name == "lm_head" and spec.tie_word_embeddings:
             continue  # tied: the model reads `embed`; keep one copy on the device
         converted[name] = convert_weight(name, ops.weight(name, weights[name]), fmt)
-    runner = TorchRunner(spec, ops, converted, kv, cuda_graphs=cuda_graphs, padded_steps=padded_steps)
+    runner = TorchRunner(spec, ops, converted, kv, cuda_graphs=o.cuda_graphs, padded_steps=padded_steps)
     runner.kv_port = None if spec.recurrent else TorchKVPort(ops)  # a recurrent state does not travel with the KV
     runner.traffic = torch_traffic(spec, converted, ops, (kv.num_blocks + int(padded_steps)) * block_size)
     return runner

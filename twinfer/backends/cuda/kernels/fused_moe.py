@@ -84,14 +84,13 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, firs
 
 
 def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, act: str = "silu", first: int = 0, block_m: int | None = None,
-              block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, act: str = "silu", first: int = 0) -> torch.Tensor:
     """x [T, C]; gate/up [E, I, C]; down [E, C, I]; topk ids/weights [T, k] -> [T, C] (see reference.py).
 
     With `first`, the weights hold experts first .. first + E and pairs routed elsewhere add nothing.
+    The tiles are `CONFIG`'s (bench/gpu_tune.py sets them).
     """
-    block_m, block_n, block_k = (v or CONFIG[k] for k, v in (("block_m", block_m), ("block_n", block_n),
-                                                              ("block_k", block_k)))
+    block_m, block_n, block_k = CONFIG["block_m"], CONFIG["block_n"], CONFIG["block_k"]
     launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
     T, C = x.shape
     E, inter, _ = gate.shape

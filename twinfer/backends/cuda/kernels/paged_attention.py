@@ -15,6 +15,8 @@ runtime argument, so eager steps whose tables grow do not recompile the kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -100,17 +102,23 @@ def num_splits(batch: int, kv_heads: int, max_tokens: int, block_n: int, device:
     return max(1, min(MAX_SPLITS, want, -(-max_tokens // block_n)))
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """A decode launch's tiling: `block_n` KV positions per tile (default: `CONFIG`'s) and `splits`, how many
+    parts each sequence's context is divided into (default: from the shapes)."""
+
+    block_n: int | None = None
+    splits: int | None = None
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, window: int | None = None, block_n: int | None = None,
-                           splits: int | None = None) -> torch.Tensor:
-    """q [B, H, D] against k/v_cache [slots, Hkv, D] through block_tables [B, max_blocks] -> [B, H, D].
-
-    `splits`: how many parts each sequence's context is divided into (default: from the shapes).
-    """
+                           scale: float, window: int | None = None, tiles: DecodeTiles = DecodeTiles()
+                           ) -> torch.Tensor:
+    """q [B, H, D] against k/v_cache [slots, Hkv, D] through block_tables [B, max_blocks] -> [B, H, D]."""
     B, H, D = q.shape
     Hkv = k_cache.shape[1]
-    block_n = block_n or CONFIG["block_n"]
+    block_n, splits = tiles.block_n or CONFIG["block_n"], tiles.splits
     if block_n < 16 or D < 16:
         raise ValueError(f"the decode kernel's tiles need block_n and head_dim of at least 16, got {block_n}, {D}")
     tables = block_tables.to(torch.int32).contiguous()
