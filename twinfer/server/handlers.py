@@ -18,7 +18,7 @@ from twinfer.runtime.errors import RequestError
 from twinfer.server import prompts
 from twinfer.server.errors import APIError, error_body
 from twinfer.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported
-from twinfer.server.responses import DONE, Follower, response, sse, usage_chunk
+from twinfer.server.responses import DONE, Echo, Follower, response, sse, usage_chunk
 from twinfer.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
 from twinfer.server.structured import constraint_of
 from twinfer.server.tools.plan import ToolPlan, plan_tools
@@ -52,9 +52,9 @@ async def generation(state: ServerState, request: Request, body: ChatCompletionR
     params = prompts.sampling_params(body, len(ids), engine.max_context, engine.vocab_size, state.guard, constraint)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices = await submit(engine, ids, params, body.n, request_id, body.priority)
-    echo_only = prompts.scores_prompt_only(body)
+    echoed = Echo(echo, echo_ids, prompts.scores_prompt_only(body))
     followers = [Follower(request_id, state.model_name, chat, tokenizer, state.metrics, arrival, i,
-                          plan.parser(), echo, echo_ids, echo_only) for i in range(body.n)]
+                          plan.parser(), echoed) for i in range(body.n)]
     for f, c in zip(followers, choices, strict=True):
         f.cancel = c.cancel
     want_logprobs = params.logprobs is not None

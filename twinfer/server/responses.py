@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from twinfer.runtime.engine.bill import merge_costs, with_server_time
@@ -18,12 +18,22 @@ from twinfer.server.tools.events import Delta, OutputParser, PlainText, ToolCall
 FINGERPRINT = "twinfer"
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's echo: the prompt `text`, sent before the output; with logprobs the prompt's `ids`,
+    whose logprobs lead the logprobs object; `only` with max_tokens 0 (the prompt scored, the one token
+    generated dropped)."""
+
+    text: str = ""
+    ids: list[int] | None = None
+    only: bool = False
+
+
 class Follower:
     """One choice of a request as seen by the server."""
 
     def __init__(self, request_id: str, model: str, chat: bool, tokenizer: Any, metrics: ServerMetrics,
-                 arrival: float, index: int = 0, parser: OutputParser | None = None, echo: str = "",
-                 echo_ids: list[int] | None = None, echo_only: bool = False):
+                 arrival: float, index: int = 0, parser: OutputParser | None = None, echo: Echo = Echo()):
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -32,10 +42,7 @@ class Follower:
         self.arrival = arrival
         self.index = index
         self.parser: OutputParser = parser or PlainText()
-        self.echo = echo  # completions' echo: the prompt text, sent before the output
-        # echo with logprobs: the prompt's ids, whose logprobs lead the logprobs object (then the output's)
-        self.echo_ids = echo_ids
-        self.echo_only = echo_only  # echo with max_tokens 0: the prompt scored, the one token generated dropped
+        self.echo, self.echo_ids, self.echo_only = echo.text, echo.ids, echo.only  # see Echo
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the engine's, of prompt tokens 1..
         self.created = int(time.time())
         self.out = Delta()
