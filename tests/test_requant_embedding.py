@@ -93,11 +93,12 @@ def test_budget_strategy_requantizes_the_embedding(default_model: Path) -> None:
 
     from twinfer.app.budget import llamacpp_strategy
 
-    s = llamacpp_strategy(load_model(default_model), 400_000_000, 1024, 1, False, hardware=pinned_cpu())
+    # a budget is the model's: the interpreter's ~150 MB comes on top of it
+    s = llamacpp_strategy(load_model(default_model), 250_000_000, 1024, 1, False, hardware=pinned_cpu())
     assert (s.requantize, s.embed_type) == ("q4_k_m", "q5_0")
     # the KV format is a speed/KL trade that differs by machine (Q8_0 on this laptop, F16 on an M2 Max)
     assert s.kv_type in ("f16", "q8_0")
-    assert 350e6 < s.predicted_bytes <= 400e6  # 184 MB of weights, 10-19 MB of KV, workspace and overhead
+    assert 200e6 < s.predicted_bytes <= 250e6  # 184 MB of weights, 10-19 MB of KV and the workspace
     assert "token embedding and output matrix in Q5_0" in s.summary()
 
 
