@@ -4,9 +4,9 @@
   two sequences run in chunks, so the per-sequence states must carry across steps.
 - Logits against transformers on tiny random configs (head counts, key/value head ratios, conv
   kernels, full-attention intervals, MoE on/off), prefill plus 8 decode steps, max |dlogit| <= 1e-4.
-- The engine on torch: the state cannot be shared by prefix nor rolled back, so prefix reuse is off
-  (a second request sharing a prefix gets the cold text), speculative decoding is refused with the
-  reason, and preempted requests recompute from a zero state (text equal to each request alone).
+- The engine on torch: the state cannot be shared by prefix, so prefix reuse is off (a second
+  request sharing a prefix gets the cold text), and preempted requests recompute from a zero state
+  (text equal to each request alone). Speculation, which takes the state back: test_arch_hybrid_spec.py.
 """
 
 from __future__ import annotations
@@ -277,18 +277,6 @@ def test_shared_prefix_is_recomputed(root: str) -> None:
     assert second.token_ids == alone(root, base + [4])
     assert first.token_ids == alone(root, base + [1, 2])
     assert e.runner.torch_ops.states.slots.held == 0, "finished sequences give their state slots back"
-
-
-def test_speculation_is_refused_with_the_reason(root: str) -> None:
-    from twinfer.runtime.speculative.ngram import NgramProposer
-
-    with pytest.raises(TwinferError, match="recurrent state.*speculative decoding is off"):
-        engine(root, proposer=NgramProposer())
-    runner = engine(root).runner  # and a rollback that reaches the runner anyway is refused, not run
-    table = list(range(16))
-    runner.step(StepBatch([SeqChunk(7, PROMPT_A, 0, table)]))
-    with pytest.raises(ValueError, match="cannot be rolled back"):
-        runner.step(StepBatch([SeqChunk(7, [5], len(PROMPT_A) - 2, table)]))
 
 
 def test_preempted_requests_equal_alone(root: str) -> None:

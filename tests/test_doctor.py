@@ -114,17 +114,14 @@ def _new_family(name: str, root: str) -> Path:
 
 @pytest.mark.parametrize("name", ["qwen3_next", pytest.param("minimax_m2", marks=pytest.mark.slow)])
 def test_doctor_new_families_run_their_lossless_stages(name: str, root: str) -> None:
-    """MiniMax-M2 and the recurrent Qwen3-Next pass every lossless stage, TP=2 and EP=2 included; the
-    recurrent model's speculation stage is skipped with the reason, not failed."""
+    """MiniMax-M2 and the recurrent Qwen3-Next pass every lossless stage, TP=2 and EP=2 and n-gram
+    speculation (the recurrent state taken back past rejected drafts) included."""
     stages = _by_name(report := run_doctor(str(_new_family(name, root)), PROMPT, tokens=32))
     assert_lossless_pass(report)
     for stage in ("torch", "mlx", "TP=2 (gloo)", "EP=2 (gloo)", "torch batched"):
         assert stages[stage].passed and stages[stage].greedy_identical, "\n".join(report.lines())
     speculation = stages["torch + ngram speculation"]
-    if name == "qwen3_next":
-        assert speculation.passed is None and "recurrent state" in speculation.skipped
-    else:
-        assert speculation.passed
+    assert speculation.passed and speculation.greedy_identical, "\n".join(report.lines())
 
 
 def test_doctor_tiny_moe_splits_experts(root: str) -> None:

@@ -26,7 +26,8 @@ class KVLayout:
     Paged runners hold `num_blocks` blocks of `block_size` positions and read block tables. Slot runners
     keep KV per `seq_id` (at most `max_seqs`, `num_blocks * block_size` cells in all); `seq_tokens` caps
     one sequence when each has its own cells, and then prefix reuse needs `copies_prefix`. `recurrent`:
-    a forward-only state per sequence, so no prefix reuse, no speculation, preemption recomputes."""
+    a forward-only state per sequence, so no prefix reuse and preemption recomputes; `state_rollback`:
+    how many drafted tokens such a runner can take back from a chunk (0: none, so no speculation)."""
 
     block_size: int
     num_blocks: int
@@ -35,6 +36,7 @@ class KVLayout:
     seq_tokens: int | None = None
     copies_prefix: bool = False
     recurrent: bool = False
+    state_rollback: int = 0
 
     @property
     def capacity_tokens(self) -> int:

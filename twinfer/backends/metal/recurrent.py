@@ -1,5 +1,6 @@
 """Linear-attention layers on MLX: the torch backend's state pools (backends/cuda/recurrent.py) over
-mx.array; a step gathers its sequences' slots, runs their tokens, scatters the states back."""
+mx.array; a step gathers its sequences' slots, runs their tokens, scatters the states back, and keeps
+the state after each token of a verification chunk for the next step to restore past rejected drafts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from twinfer.runtime.batch import StepBatch
-from twinfer.runtime.kv.recurrent import StateSlots
+from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK, StateBinding, StateSlots
 from twinfer.runtime.spec import LINEAR, ModelSpec
 
 
@@ -22,6 +23,10 @@ class MlxStateStep:
     keep: mx.array
     valid: mx.array
     conv_tail: mx.array | None  # [B * (K-1)] rows of the flattened [B * (K-1+Tq), Ch] conv input
+    kept: list[tuple[int, int, int]]  # chunks whose states after each token are kept: (row, seq_id, how many)
+
+
+Kept = tuple[dict[int, mx.array], dict[int, mx.array]]  # per layer: conv [n, K-1, Ch], delta [n, Hv, Dk, Dv]
 
 
 class MlxStates:
@@ -31,7 +36,8 @@ class MlxStates:
         assert spec.linear_attn is not None
         self.la, self.dtype = spec.linear_attn, dtype
         self.layers = [i for i, t in enumerate(spec.attention_types) if t == LINEAR]
-        self.slots = StateSlots()
+        self.slots = StateSlots(DRAFT_ROLLBACK)
+        self.kept: dict[int, Kept] = {}  # seq_id -> the states after each token of its last verification chunk
         self.conv: dict[int, mx.array] = {}
         self.delta: dict[int, mx.array] = {}
         self._capacity = 0
@@ -39,10 +45,12 @@ class MlxStates:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+        return sum(a.nbytes for a in (*self.conv.values(), *self.delta.values()))
 
     def arrays(self) -> list[mx.array]:
-        return [*self.conv.values(), *self.delta.values()]
+        """The pools and the states kept for a rollback: what a step writes."""
+        kept = [a for conv, delta in self.kept.values() for a in (*conv.values(), *delta.values())]
+        return [*self.conv.values(), *self.delta.values(), *kept]
 
     def bind(self, batch: StepBatch) -> MlxStateStep:
         binding = self.slots.bind(batch.chunks)
@@ -54,10 +62,29 @@ class MlxStates:
         tail = (np.arange(B)[:, None] * (K1 + Tq) + lengths[:, None] + np.arange(K1)[None, :]).reshape(-1)
         keep = 1.0 - np.asarray(binding.reset, dtype=np.float32)
         return MlxStateStep(mx.array(np.asarray(binding.slots, dtype=np.int32)), mx.array(keep),
-                            mx.array(valid), mx.array(tail.astype(np.int32)) if K1 else None)
+                            mx.array(valid), mx.array(tail.astype(np.int32)) if K1 else None,
+                            self._restore_and_keep(batch, binding))
+
+    def _restore_and_keep(self, batch: StepBatch, binding: StateBinding) -> list[tuple[int, int, int]]:
+        """Start chunks after rejected drafts from the kept state; make room for the states kept this step."""
+        kept_rows = []
+        for row, (c, slot, j, n) in enumerate(zip(batch.chunks, binding.slots, binding.restore, binding.keep,
+                                                   strict=True)):
+            kept = self.kept.pop(c.seq_id, None)
+            if j >= 0:  # rejected drafts: start from the state after the last accepted token
+                assert kept is not None
+                for i, conv in kept[0].items():
+                    self.conv[i][slot] = conv[j]
+                for i, delta in kept[1].items():
+                    self.delta[i][slot] = delta[j]
+            if n:
+                kept_rows.append((row, c.seq_id, n))
+                self.kept[c.seq_id] = ({}, {})
+        return kept_rows
 
     def release(self, seq_id: int) -> None:
         self.slots.release(seq_id)
+        self.kept.pop(seq_id, None)
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` sequences; the states held keep their slots."""
@@ -88,6 +115,9 @@ class MlxStates:
             tail = mx.take(full.reshape(B * (K - 1 + Tq), -1), st.conv_tail, axis=0)
             pool[st.slots] = tail.reshape(B, K - 1, -1)
             self.conv[layer] = pool
+            for row, seq, n in st.kept:  # the state after each kept token: the K-1 inputs up to it
+                after = mx.array((np.arange(1, n + 1)[:, None] + np.arange(K - 1)[None, :]).reshape(-1))
+                self.kept[seq][0][layer] = mx.take(full[row], after, axis=0).reshape(n, K - 1, -1)
         return mx.take(out.reshape(B * Tq, -1), q_flat, axis=0).astype(x.dtype)  # [T, Ch]
 
     def gated_delta(self, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, decay: mx.array,
@@ -105,7 +135,7 @@ class MlxStates:
         Q, Kk, V, G, Beta = (mx.take(t, q_index, axis=0) for t in (q, k, v.astype(f32), g, beta))
         pool = self.delta[layer]
         S = mx.take(pool, st.slots, axis=0) * st.keep[:, None, None, None]  # [B, Hv, Dk, Dv]
-        out = []
+        out, trail, rows = [], [], mx.array([row for row, _, _ in st.kept], dtype=mx.int32)
         for t in range(Tq):
             new = S * mx.exp(G[:, t])[..., None, None]
             kv = (new * Kk[:, t, :, :, None]).sum(axis=-2)  # [B, Hv, Dv]
@@ -113,8 +143,12 @@ class MlxStates:
             new = new + Kk[:, t, :, :, None] * delta[:, :, None, :]
             out.append((new * Q[:, t, :, :, None]).sum(axis=-2))
             S = mx.where(st.valid[:, t, None, None, None], new, S)  # padding keeps the state
+            if st.kept:
+                trail.append(mx.take(S, rows, axis=0))
         pool[st.slots] = S
         self.delta[layer] = pool
+        for r, (_, seq, n) in enumerate(st.kept):
+            self.kept[seq][1][layer] = mx.stack([S_t[r] for S_t in trail[:n]])  # [n, Hv, Dk, Dv]
         o = mx.stack(out, axis=1).reshape(B * Tq, Hv, Dv)
         return mx.take(o, q_flat, axis=0).astype(v.dtype)  # [T, Hv, Dv]
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from twinfer.backends.metal.kv_port import MlxKVPort
 from twinfer.backends.metal.ops import MlxOps
+from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK
 from twinfer.runtime.kv.traffic import StepTraffic, held_bytes, resident_traffic
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
@@ -60,7 +61,8 @@ def _build(
             f"KV cache of {kv_tokens} tokens in blocks of {block_size}: need kv_tokens >= block_size > 0"
         )
     _wire_working_set()
-    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size), recurrent=spec.recurrent)
+    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size), recurrent=spec.recurrent,
+                  state_rollback=DRAFT_ROLLBACK if spec.recurrent else 0)  # recurrent.py keeps drafts' states
     ops = MlxOps(spec, num_blocks=kv.num_blocks, block_size=block_size, dtype=dtype, kv_format=kv_format)
     weights = {}
     for name in names:

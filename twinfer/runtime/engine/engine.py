@@ -57,10 +57,14 @@ class Engine:
         self.exact = runner.exact_shapes() if self.config.batch_invariant else None
         shared_cells = kv.seq_tokens is None or kv.copies_prefix  # else per-sequence cells: no prefix reuse
         shared_cells = shared_cells and not kv.recurrent  # a recurrent state is never kept per prefix
-        if proposer is not None and kv.recurrent:
-            raise TwinferError(f"{runner.spec.name or runner.spec.model_type} keeps a recurrent state per sequence "
-                               "(linear-attention layers), which cannot take back a rejected draft: speculative "
-                               "decoding is off for it; drop --speculate")
+        if proposer is not None and kv.recurrent and kv.state_rollback < self.config.spec.max_k:
+            name = runner.spec.name or runner.spec.model_type
+            raise TwinferError(  # the state after each drafted token must be kept to take rejected ones back
+                f"{name} keeps a recurrent state per sequence (linear-attention layers), which the "
+                f"{runner.backend} runner cannot take back past a rejected draft: speculative decoding is off "
+                "for it; drop --speculate" if kv.state_rollback == 0 else
+                f"{name} keeps a recurrent state per sequence, which the {runner.backend} runner takes back at "
+                f"most {kv.state_rollback} drafted tokens: draft at most that many (max_k {self.config.spec.max_k})")
         prefix_cache = self.config.enable_prefix_cache and self.exact is None and shared_cells
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
         slots = kv.max_seqs - (self.exact.reserved_seqs if self.exact else 0)  # sequences the runner holds for us

@@ -1,55 +1,84 @@
 """Recurrent-state slots: which slot of a backend's state pool each sequence holds, and how far it ran.
-Linear-attention state only moves forward, so `StateSlots` refuses, with the reason, any chunk that
-would cut it back or share it: wrong output is never silent. The backend's Ops owns the pool."""
+Linear-attention state only moves forward. To take back rejected drafts, the backend keeps the state
+after each token of a short verification chunk (`DRAFT_ROLLBACK`), and the next chunk may start at any
+of those positions; `StateSlots` refuses, with the reason, any other chunk that would cut a state back
+or share it: wrong output is never silent. The backend's Ops owns the pool."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from twinfer.runtime.batch import SeqChunk
+from twinfer.runtime.batch import LogitsWanted, SeqChunk
 from twinfer.runtime.runner import KVSync
+
+# Drafted tokens a recurrent runner can take back: a verification chunk of up to this many tokens past
+# its first keeps the state after each of them (each one state_bytes_per_seq, for the next step only).
+DRAFT_ROLLBACK = 8
 
 
 @dataclass(frozen=True)
 class StateBinding:
-    """The state slot of each chunk of a step, in chunk order, and which start from a zero state."""
+    """Per chunk of a step, in chunk order: its state slot, whether it starts from a zero state,
+    `restore`: which kept state of its sequence's last chunk it starts from (-1: the slot's own), and
+    `keep`: how many states after its tokens the backend keeps (after its 1st, 2nd, ... token; 0: none)."""
 
     slots: list[int]
     reset: list[bool]
+    restore: list[int]
+    keep: list[int]
 
 
 class StateSlots:
     """Per-sequence state slots of one runner (Ops' `bind`, the runner's `release`; one thread): a chunk at
-    position 0 starts from zeros, any other must continue where its state stopped."""
+    position 0 starts from zeros, any other continues where its state stopped or, after a verification
+    chunk whose states were kept (`rollback` > 0), at one of that chunk's positions."""
 
-    def __init__(self) -> None:
+    def __init__(self, rollback: int = 0) -> None:
+        self.rollback = rollback
         self.slot: dict[int, int] = {}
         self.position: dict[int, int] = {}  # seq_id -> positions its state has consumed
+        self.kept: dict[int, int] = {}  # seq_id -> start of its last chunk, whose per-token states are kept
         self.free: list[int] = []
         self.capacity = 0
 
     def bind(self, chunks: list[SeqChunk]) -> StateBinding:
-        slots, reset = [], []
+        b = StateBinding([], [], [], [])
         for c in chunks:
             slot = self.slot.get(c.seq_id)
+            restore = -1
             if c.start == 0:
                 slot = self._take() if slot is None else slot
             elif slot is None:
                 raise ValueError(f"sequence {c.seq_id} starts at position {c.start}, but no recurrent state is held "
                                  "for it: a model with linear-attention layers cannot start from a cached prefix")
             elif self.position[c.seq_id] != c.start:
-                raise ValueError(f"sequence {c.seq_id} continues at position {c.start}, but its recurrent state is "
-                                 f"at {self.position[c.seq_id]}: the state cannot be rolled back (no drafts)")
+                restore = self._restore_index(c)
+            self.kept.pop(c.seq_id, None)
+            keep = len(c.tokens) - 1 if c.logits is LogitsWanted.ALL and len(c.tokens) - 1 <= self.rollback else 0
+            if keep:
+                self.kept[c.seq_id] = c.start
             self.slot[c.seq_id] = slot
             self.position[c.seq_id] = c.end
-            slots.append(slot)
-            reset.append(c.start == 0)
-        return StateBinding(slots, reset)
+            b.slots.append(slot)
+            b.reset.append(c.start == 0)
+            b.restore.append(restore)
+            b.keep.append(keep)
+        return b
+
+    def _restore_index(self, c: SeqChunk) -> int:
+        """Which kept state a chunk starting inside its sequence's last chunk starts from."""
+        first, held = self.kept.get(c.seq_id), self.position[c.seq_id]
+        if first is None or not first < c.start < held:
+            raise ValueError(f"sequence {c.seq_id} continues at position {c.start}, but its recurrent state is at "
+                             f"{held} and no state was kept there: a state is taken back only into the chunk "
+                             f"before, of at most {self.rollback + 1} tokens")
+        return c.start - first - 1
 
     def release(self, seq_id: int) -> None:
         slot = self.slot.pop(seq_id, None)
         self.position.pop(seq_id, None)
+        self.kept.pop(seq_id, None)
         if slot is not None:
             self.free.append(slot)
 

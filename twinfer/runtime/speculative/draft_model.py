@@ -25,6 +25,11 @@ class DraftModelProposer(Proposer):
     name = "draft"
 
     def __init__(self, runner: Runner, vocab_size: int | None = None):
+        if runner.kv.recurrent:
+            raise TwinferError(  # its catch-up chunks restart further back than a recurrent state is kept
+                f"the draft model {runner.spec.name or runner.spec.model_type} keeps a recurrent state per "
+                "sequence, which cannot be rolled back to where its drafts diverged: use a draft model "
+                "without linear-attention layers, or --speculate ngram")
         self.runner = runner
         self.vocab_size = vocab_size or runner.spec.vocab_size  # the target's: drafts stay inside it
         kv = runner.kv
@@ -100,6 +105,10 @@ class SelfDraftProposer(DraftModelProposer):
                 f"the {target.backend} runner computes the whole model at once: use --speculate "
                 "draft:PATH with a smaller model (or the same file), or --speculate ngram"
             )
+        if target.kv.recurrent:
+            raise TwinferError(
+                f"self-speculation (self:{skip}) would advance {target.spec.name or target.spec.model_type}'s "
+                "recurrent state (linear-attention layers) with its drafts: use --speculate ngram or draft:PATH")
         layers = target.spec.num_layers
         draft = OpsRunner(target.spec, target.ops, target.weights, target.kv, target.backend)
         draft.model = LayerSubset(draft.model, kept_layers(layers, skip))
