@@ -81,7 +81,7 @@ def build_torch_runner(spec: ModelSpec, weights: Mapping[str, Any], options: Tor
             continue  # tied: the model reads `embed`; keep one copy on the device
         converted[name] = convert_weight(name, ops.weight(name, weights[name]), fmt)
     runner = TorchRunner(spec, ops, converted, kv, cuda_graphs=o.cuda_graphs, padded_steps=padded_steps)
-    runner.kv_port = None if spec.recurrent else TorchKVPort(ops)  # a recurrent state does not travel with the KV
+    runner.kv_port = TorchKVPort(ops)  # a recurrent model's linear-attention layers send their state
     runner.traffic = torch_traffic(spec, converted, ops, (kv.num_blocks + int(padded_steps)) * block_size)
     return runner
 

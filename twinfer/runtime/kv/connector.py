@@ -353,7 +353,11 @@ class KVConnector:
         if params is None or not params.do_remote_decode or not done or not request.output:
             return False, None
         n = len(request.prompt)
-        layers = [self.save_kv_layer(i, request.seq_id, block_ids, n) for i in range(self.port.num_layers())]
+        try:
+            layers = [self.save_kv_layer(i, request.seq_id, block_ids, n) for i in range(self.port.num_layers())]
+        except ValueError as e:  # a recurrent state that ran past the prompt (more than one token generated)
+            request.bill.extra["kv_fallback"] = f"save failed: {e}"
+            return False, None
         self.wait_for_save()
         key = uuid.uuid4().hex
         self.store.put(key, KVPayload(self.port.format, n, layers).encode())

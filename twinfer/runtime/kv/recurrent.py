@@ -75,6 +75,22 @@ class StateSlots:
                              f"before, of at most {self.rollback + 1} tokens")
         return c.start - first - 1
 
+    def held_at(self, seq_id: int, position: int) -> int:
+        """The slot of a sequence whose state has consumed exactly `position` positions (a hand-over's save)."""
+        if self.position.get(seq_id) != position:
+            raise ValueError(f"sequence {seq_id}'s recurrent state is at {self.position.get(seq_id)}, not at "
+                             f"{position}: only the state right after the handed-over positions can travel")
+        return self.slot[seq_id]
+
+    def adopt(self, seq_id: int, position: int) -> int:
+        """A slot for a sequence whose state arrives from another runner after `position` positions (a
+        hand-over's load); its next chunk continues there."""
+        slot = self.slot.get(seq_id)
+        self.slot[seq_id] = self._take() if slot is None else slot
+        self.position[seq_id] = position
+        self.kept.pop(seq_id, None)
+        return self.slot[seq_id]
+
     def release(self, seq_id: int) -> None:
         slot = self.slot.pop(seq_id, None)
         self.position.pop(seq_id, None)
