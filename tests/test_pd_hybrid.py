@@ -1,5 +1,6 @@
-"""Prefill/decode hand-over of a recurrent hybrid (qwen3_next): the KV of its full-attention layers and
-the conv + delta state of its linear-attention layers travel together (test_pd.py's replicas and proxy).
+"""Prefill/decode hand-over of a recurrent hybrid (qwen3_next) on torch and MLX: the KV of its
+full-attention layers and the conv + delta state of its linear-attention layers travel together
+(test_pd.py's replicas and proxy).
 
 The decode replica must continue from the handed-over state without recomputing a prompt token, and
 its greedy text must equal one server's; the bytes moved are the attention layers' K/V at every
@@ -32,8 +33,10 @@ def hybrid_folder(folder: Path) -> str:
     return str(folder)
 
 
-@pytest.fixture(scope="module", params=["torch"])
+@pytest.fixture(scope="module", params=["torch", "mlx"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if request.param == "mlx":
+        pytest.importorskip("mlx.core")
     model = hybrid_folder(tmp_path_factory.mktemp("qwen3_next"))
     prefill = Replica(model, request.param, "prefill-0")
     decode = Replica(model, request.param, "decode-0")

@@ -1,5 +1,6 @@
-"""The MLX runner's KV for a KV connector, in `PagedKVPort`'s payload layout; a load builds a new cache
-array (MLX arrays are immutable), evaluated at once."""
+"""The MLX runner's KV for a KV connector, in `PagedKVPort`'s payload layout (a linear-attention layer's:
+the sequence's conv and delta state); a load builds a new cache array (MLX arrays are immutable),
+evaluated at once."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ class MlxKVPort(PagedKVPort):
 
     def save_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int) -> bytes:
         self.check()
+        states = self.ops.states
+        if states is not None and layer in states.conv:  # a linear-attention layer: no KV, the state
+            return b"".join(np.array(a.view(_RAW[a.itemsize])).tobytes() if a.size else b""
+                            for a in states.state(layer, seq_id, num_tokens))
         slots = self._slots(table, num_tokens)
         out = b""
         for cache in (self.ops.k_cache[layer], self.ops.v_cache[layer]):
@@ -34,6 +39,15 @@ class MlxKVPort(PagedKVPort):
 
     def load_layer(self, layer: int, seq_id: int, table: list[int], num_tokens: int, data: bytes) -> None:
         self.check()
+        states = self.ops.states
+        if states is not None and layer in states.conv:
+            pools = (states.conv[layer], states.delta[layer])
+            sizes = [p[0].size * p.itemsize for p in pools]
+            self.check_size(layer, data, sizes, num_tokens)
+            conv, delta = (_array(data, at, size, p.dtype, p.shape[1:])
+                           for p, size, at in zip(pools, sizes, (0, sizes[0]), strict=True))
+            states.put_state(layer, seq_id, num_tokens, conv, delta)
+            return
         slots = self._slots(table, num_tokens)
         caches = [self.ops.k_cache[layer], self.ops.v_cache[layer]]
         sizes = [num_tokens * (c.size // c.shape[0]) * c.itemsize if c.shape[0] else 0 for c in caches]
@@ -42,10 +56,16 @@ class MlxKVPort(PagedKVPort):
         for i, (cache, size) in enumerate(zip(caches, sizes, strict=True)):
             if not size:
                 continue
-            raw = np.frombuffer(data, dtype=np.uint8, count=size, offset=at)
-            values = mx.array(raw.view(f"<u{cache.itemsize}")).view(cache.dtype).reshape(num_tokens, *cache.shape[1:])
-            cache[slots] = values  # a scatter: builds the next cache array
+            cache[slots] = _array(data, at, size, cache.dtype, (num_tokens, *cache.shape[1:]))  # a scatter: a new array
             caches[i] = cache
             at += size
         self.ops.k_cache[layer], self.ops.v_cache[layer] = caches
         mx.eval(caches)
+
+
+def _array(data: bytes, at: int, size: int, dtype: mx.Dtype, shape: tuple[int, ...] | list[int]) -> mx.array:
+    """`size` bytes of `data` from `at` as an array of `dtype` and `shape` (through numpy's unsigned view)."""
+    if not size:  # a conv kernel of 1 keeps no conv state
+        return mx.zeros(tuple(shape), dtype=dtype)
+    raw = np.frombuffer(data, dtype=np.uint8, count=size, offset=at)
+    return mx.array(raw.view(f"<u{dtype.size}")).view(dtype).reshape(*shape)

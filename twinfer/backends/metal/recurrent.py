@@ -86,6 +86,21 @@ class MlxStates:
         self.slots.release(seq_id)
         self.kept.pop(seq_id, None)
 
+    def state(self, layer: int, seq_id: int, num_tokens: int) -> tuple[mx.array, mx.array]:
+        """The conv [K-1, Ch] and delta [Hv, Dk, Dv] state of a sequence in a LINEAR layer, right after its
+        first `num_tokens` positions (a hand-over's save; ValueError when the state is elsewhere)."""
+        slot = self.slots.held_at(seq_id, num_tokens)
+        return self.conv[layer][slot], self.delta[layer][slot]
+
+    def put_state(self, layer: int, seq_id: int, num_tokens: int, conv: mx.array, delta: mx.array) -> None:
+        """Hold an arriving state of a sequence's LINEAR layer, after `num_tokens` positions (a hand-over's load)."""
+        slot = self.slots.adopt(seq_id, num_tokens)
+        if self.slots.capacity > self._capacity:
+            self._grow(max(self.slots.capacity, 2 * self._capacity))
+        self.conv[layer][slot] = conv
+        self.delta[layer][slot] = delta
+        mx.eval(self.conv[layer], self.delta[layer])
+
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` sequences; the states held keep their slots."""
         la, K = self.la, self.la.conv_kernel

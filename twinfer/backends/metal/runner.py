@@ -72,7 +72,7 @@ def _build(
     # cast: Ops types its step context as the StepContext protocol, backends as their own class
     runner = OpsRunner(spec, cast(Ops, ops), weights, kv, backend="mlx")
     runner.traffic = mlx_traffic(spec, weights, ops, kv.num_blocks * block_size)
-    runner.kv_port = None if spec.recurrent else MlxKVPort(ops)  # a recurrent state does not travel with the KV
+    runner.kv_port = MlxKVPort(ops)  # a recurrent model's linear-attention layers send their state
     return runner
 
 
