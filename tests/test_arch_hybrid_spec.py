@@ -131,3 +131,25 @@ def test_what_cannot_roll_back_is_refused_with_the_reason(root: str) -> None:
     runner.step(StepBatch([SeqChunk(7, [1, 2, 3], len(PROMPT_A), TABLE, LogitsWanted.ALL)]))
     with pytest.raises(ValueError, match="no state was kept there"):
         runner.step(StepBatch([SeqChunk(7, [5], len(PROMPT_A) - 1, TABLE)]))
+
+
+@pytest.mark.parametrize("backend", sorted(BUILDERS))
+def test_streamed_experts_runner_declares_the_state(root: str, backend: str) -> None:
+    """The runner that streams routed experts from the file holds the same state and declares it as the
+    resident runner does; a shared prefix is recomputed, and speculation keeps the greedy text."""
+    from test_arch_hybrid import saved
+
+    from twinfer.runtime.loaders import load_model
+
+    if backend == "torch":
+        from twinfer.backends.cuda.experts import load_streaming_torch_runner as load
+    else:
+        from twinfer.backends.metal.experts import load_streaming_mlx_runner as load
+    runner = load(load_model(saved("next-a", root)), cache_bytes=1 << 16, kv_tokens=512, block_size=4)
+    assert runner.kv.recurrent and runner.kv.state_rollback == DRAFT_ROLLBACK
+    prompts = [PROMPT_A * 2 + [1, 2], PROMPT_A * 2 + [4]]  # 22 tokens in common
+    plain = [out.token_ids for out in _engine(root, backend).generate(prompts, GREEDY)]
+    texts = [p + out for p, out in zip(prompts, plain, strict=True)]
+    e = Engine(runner, None, EngineConfig(spec=ALWAYS), proposer=OracleProposer(texts, runner.spec.vocab_size))
+    outs = [e.generate([p], GREEDY)[0] for p in prompts]  # one after the other: the second could reuse
+    assert [o.token_ids for o in outs] == plain and outs[1].cached_tokens == 0

@@ -23,6 +23,7 @@ from twinfer.runtime.experts import (
     expert_params,
     streaming_weights,
 )
+from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK
 from twinfer.runtime.ops import ExpertExtras, Ops
 from twinfer.runtime.runner import KVLayout, OpsRunner
 from twinfer.runtime.spec import MoESpec
@@ -83,7 +84,8 @@ def load_streaming_torch_runner(
         torch.set_num_threads(threads)
     spec, w = loaded.spec, loaded.weights
     assert spec.moe is not None
-    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size))
+    kv = KVLayout(block_size=block_size, num_blocks=-(-kv_tokens // block_size), recurrent=spec.recurrent,
+                  state_rollback=DRAFT_ROLLBACK if spec.recurrent else 0)  # as the resident runner's
     ops = TorchOps(spec, num_blocks=kv.num_blocks, block_size=block_size, device=device, dtype=dtype)
     weights, routers = streaming_weights(w, spec, ops.weight)
     itemsize = torch.empty(0, dtype=dtype).element_size()
