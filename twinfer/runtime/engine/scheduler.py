@@ -1,17 +1,24 @@
-"""Continuous batching: which requests compute how many tokens this step.
+"""The scheduler: which requests compute how many tokens this step.
 
-Running requests go first (decode, then unfinished prefill in chunks), then waiting ones are admitted
-while the token budget, sequence limit and free blocks allow. A request that cannot get a block
-preempts the least important running one; drafts get only leftover room. Nothing touches a device."""
+It holds the waiting and running queues and the building blocks a step is made of: a running
+request's next chunk, growing its blocks (a request that cannot get one preempts the least important
+running one), admitting waiting requests from a cached prefix, and leftover room for drafts. Which
+requests share the step is the batching policy's choice (batching.py: continuous or exact).
+Nothing touches a device."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from twinfer.runtime.engine.batching import Batching, ContinuousBatching, ExactBatching
 from twinfer.runtime.engine.request import Request, Status
 from twinfer.runtime.kv.block_manager import BlockManager, OutOfBlocks
+
+if TYPE_CHECKING:
+    from twinfer.runtime.speculative.proposer import Draft
 
 
 @dataclass(frozen=True)
@@ -19,8 +26,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 512  # tokens computed per step (prefill chunks + decodes)
     max_seqs: int = 16  # requests running at once
     max_prefill_chunk: int = 512  # longest piece of one prompt computed in one step
-    # Batch-invariant mode: only the runner's exact shapes (ExactShapes): prompt chunks alone at fixed
-    # boundaries, at most `invariant_rows` decode rows, replayed resumes, drafts only when alone.
+    # exact (batch-invariant) batching, at most `invariant_rows` decode rows a step (batching.py)
     batch_invariant: bool = False
     invariant_rows: int = 7
 
@@ -37,6 +43,7 @@ class Scheduled:
     prefix_blocks: int = 0  # cached blocks it starts from (admitted requests only)
     draft_room: int = 0  # drafted tokens this decode may verify after its token (speculative decoding)
     external: int = 0  # prompt tokens whose KV a KV connector loads this step (num_tokens is then 0)
+    draft: Draft | None = None  # the tokens drafted into `draft_room` (set by the engine's speculation)
 
 
 @dataclass
@@ -44,9 +51,13 @@ class Schedule:
     items: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
+    def add(self, request: Request, n: int, admitted: bool = False) -> None:
+        self.items.append(Scheduled(request, n, admitted=admitted))
+
 
 class Scheduler:
-    """Owns the waiting and running queues. Called by the engine once per step."""
+    """Owns the waiting and running queues. Called by the engine once per step; `chunk`, `grow`, `start`,
+    `admit` and `draft_room` are the building blocks its batching policy (batching.py) fills a step with."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
                  prefix_ok: Callable[[list[int]], int] | None = None,
@@ -61,7 +72,8 @@ class Scheduler:
         # external(request) -> prompt tokens a KV connector supplies (None: still on their way; skip it)
         self.external: Callable[[Request], int | None] | None = None
         self.preemptions = 0
-        self._turn = 0  # rotation of decode rows in batch-invariant mode
+        self.batching: Batching = (ExactBatching(config.invariant_rows) if config.batch_invariant
+                                   else ContinuousBatching())
 
     @property
     def has_work(self) -> bool:
@@ -80,65 +92,13 @@ class Scheduler:
         self.blocks.free(request.seq_id)
 
     def schedule(self) -> Schedule:
-        if self.config.batch_invariant:
-            return self._schedule_exact()
-        out = Schedule()
-        budget = self.config.max_batch_tokens
-        self.running.sort(key=Request.sort_key)
-        for request in list(self.running):
-            if budget == 0:
-                break
-            if request not in self.running:  # preempted earlier in this loop
-                continue
-            n = self._chunk(request, budget)
-            if not self._grow(request, n, out):
-                continue
-            out.items.append(Scheduled(request, n))
-            budget -= n
-        budget = self._draft_room(out.items, budget)
-        if not out.preempted:
-            budget = self._admit(budget, out)
-        return out
-
-    def _schedule_exact(self) -> Schedule:
-        """Batch-invariant mode: a prompt chunk alone, else up to `invariant_rows` decodes in turn."""
+        """This step's work: who computes how many tokens, who was preempted."""
         out = Schedule()
         self.running.sort(key=Request.sort_key)
-        chunk = self.config.max_prefill_chunk
-        for request in self.running:
-            if request.num_computed < len(request.prompt):
-                n = min(len(request.prompt) - request.num_computed, chunk)
-                if self._grow(request, n, out):
-                    out.items.append(Scheduled(request, n))
-                return out
-        candidate = self.waiting[0] if self.waiting else None
-        # Admit only with room for the whole prompt and one more block per running candidate: a
-        # prompt step excludes decodes, so admitting into a full pool would preempt forever.
-        if candidate is not None and len(self.running) < self.config.max_seqs and (
-            self.blocks.blocks_for(len(candidate.prompt) + 1) + len(self.running) <= self.blocks.num_free
-        ):
-            n = min(len(candidate.prompt), chunk)
-            try:
-                self.blocks.allocate(candidate.seq_id, [], n, candidate.tokens)
-            except OutOfBlocks:
-                pass
-            else:
-                self.waiting.pop(0)
-                candidate.num_computed = 0
-                self._start(candidate)
-                out.items.append(Scheduled(candidate, n, admitted=True))
-                return out
-        rows = self.config.invariant_rows
-        turn = self._turn % max(len(self.running), 1)
-        for request in (self.running[turn:] + self.running[:turn])[:rows]:
-            if request in self.running and self._grow(request, 1, out):
-                out.items.append(Scheduled(request, 1))
-        self._turn += rows
-        if len(self.running) == 1:  # see SchedulerConfig: a lone stream may verify drafts
-            self._draft_room(out.items, rows - len(out.items))
+        self.batching.fill(self, out)
         return out
 
-    def _start(self, request: Request) -> None:
+    def start(self, request: Request) -> None:
         if not request.output:
             request.cached_tokens = request.num_computed
         request.status = Status.RUNNING
@@ -146,7 +106,7 @@ class Scheduler:
             request.timings.scheduled = time.perf_counter()
         self.running.append(request)
 
-    def _draft_room(self, items: list[Scheduled], budget: int) -> int:
+    def draft_room(self, items: list[Scheduled], budget: int) -> int:
         """Give decodes room to verify drafts, within `budget` tokens and the free blocks."""
         for s in items:
             request = s.request
@@ -165,7 +125,7 @@ class Scheduler:
             budget -= k
         return budget
 
-    def _chunk(self, request: Request, budget: int) -> int:
+    def chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed
         n = min(remaining, budget, self.config.max_prefill_chunk) if remaining > 1 else 1
         if request.params.prompt_logprobs is not None and request.num_computed < len(request.prompt):
@@ -174,7 +134,7 @@ class Scheduler:
             n = min(n, self.config.max_prefill_chunk - request.num_computed % self.config.max_prefill_chunk)
         return n
 
-    def _grow(self, request: Request, n: int, out: Schedule) -> bool:
+    def grow(self, request: Request, n: int, out: Schedule) -> bool:
         """Make room for n more tokens of a running request, preempting others if needed."""
         while True:
             try:
@@ -197,7 +157,7 @@ class Scheduler:
         out.items = [s for s in out.items if s.request is not request]
         self.waiting.insert(0, request)
 
-    def _admit(self, budget: int, out: Schedule) -> int:
+    def admit(self, budget: int, out: Schedule) -> int:
         skipped = 0  # waiting requests whose KV is still on its way from another replica
         while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.config.max_seqs:
             request = self.waiting[skipped]
@@ -219,7 +179,7 @@ class Scheduler:
                 request.num_computed = 0
                 break
             self.waiting.pop(skipped)
-            self._start(request)
+            self.start(request)
             out.items.append(Scheduled(request, n, admitted=True, prefix_blocks=len(prefix), external=external))
             budget -= max(n, 1)
         return budget
