@@ -16,17 +16,19 @@ import numpy as np
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.constraints.compile import Grammars
 from twinfer.runtime.constraints.mask import guide_for
+from twinfer.runtime.engine.batching import StepMode
 from twinfer.runtime.engine.bill import charge_request, charge_step
 from twinfer.runtime.engine.guard import LoopGuard, bounded_by_grammar, token_text
+from twinfer.runtime.engine.hooks import Handover, NoHandover, NoSpeculation, Speculation
 from twinfer.runtime.engine.metrics import EngineMetrics
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
-from twinfer.runtime.engine.sampler import Sampled, draft_rows, prompt_logprobs, sample, with_logprobs
+from twinfer.runtime.engine.sampler import Sampled, prompt_logprobs, sample, with_logprobs
 from twinfer.runtime.engine.scheduler import Schedule, Scheduled, Scheduler, SchedulerConfig
 from twinfer.runtime.errors import RequestError, TwinferError
 from twinfer.runtime.kv.block_manager import BlockManager
 from twinfer.runtime.kv.connector import KVConnector, KVTransferParams
-from twinfer.runtime.runner import Runner
+from twinfer.runtime.runner import ExactShapes, Runner
 from twinfer.runtime.speculative.proposer import Draft, Proposer
 from twinfer.runtime.speculative.speculator import SpecConfig, Speculator
 from twinfer.runtime.tokenizer.detok import StreamDecoder
@@ -54,7 +56,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         kv = runner.kv
-        self.exact = runner.exact_shapes() if self.config.batch_invariant else None
+        self.mode = StepMode(runner.exact_shapes() if self.config.batch_invariant else None)
         shared_cells = kv.seq_tokens is None or kv.copies_prefix  # else per-sequence cells: no prefix reuse
         shared_cells = shared_cells and not kv.recurrent  # a recurrent state is never kept per prefix
         if proposer is not None and kv.recurrent and kv.state_rollback < self.config.spec.max_k:
@@ -65,21 +67,21 @@ class Engine:
                 "for it; drop --speculate" if kv.state_rollback == 0 else
                 f"{name} keeps a recurrent state per sequence, which the {runner.backend} runner takes back at "
                 f"most {kv.state_rollback} drafted tokens: draft at most that many (max_k {self.config.spec.max_k})")
-        prefix_cache = self.config.enable_prefix_cache and self.exact is None and shared_cells
+        prefix_cache = self.config.enable_prefix_cache and not self.mode.exact and shared_cells
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, prefix_cache)
-        slots = kv.max_seqs - (self.exact.reserved_seqs if self.exact else 0)  # sequences the runner holds for us
+        slots = kv.max_seqs - self.mode.reserved_seqs  # sequences the runner holds for us
         self.kv_sync = runner.kv_sync(self.blocks, slots, lambda: len(self.scheduler.running))
         step_tokens = runner.step_tokens if self.config.max_batch_tokens is None else self.config.max_batch_tokens
-        sched = SchedulerConfig(step_tokens, min(self.config.max_seqs, slots),
-                                self.config.max_prefill_chunk, self.exact is not None,
-                                self.exact.decode_rows if self.exact else SchedulerConfig.invariant_rows)
+        sched = SchedulerConfig(step_tokens, min(self.config.max_seqs, slots), self.config.max_prefill_chunk,
+                                self.mode.exact, self.mode.decode_rows or SchedulerConfig.invariant_rows)
         window = runner.spec.max_position
         self.max_context = min(self.config.max_context or window, window, kv.max_seq_tokens)
-        self.speculator = None
-        if proposer is not None:
-            self.speculator = Speculator(proposer, self.config.spec, self.max_context, self.blocks)
+        self.speculation = NoSpeculation() if proposer is None else Speculation(
+            Speculator(proposer, self.config.spec, self.max_context, self.blocks))
+        self.speculator = self.speculation.speculator  # its counters, for metrics and benchmarks
+        self.handover = NoHandover()  # KV hand-over between replicas (attach_connector)
         self.scheduler = Scheduler(sched, self.blocks, prefix_ok=self.kv_sync.reusable,
-                                   draft_k=self.speculator.draft_k if self.speculator else None)
+                                   draft_k=self.speculation.draft_k)
         self.requests: dict[str, Request] = {}  # live requests, and the last `keep_finished` finished ones
         self._finished: deque[Request] = deque()
         self.metrics = EngineMetrics(speculator=self.speculator)
@@ -88,7 +90,6 @@ class Engine:
         self._request_ids = itertools.count()
         self.eos_ids: frozenset[int] = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
         self.grammars = Grammars(tokenizer, runner.spec.vocab_size)  # structured output (runtime/constraints)
-        self.connector: KVConnector | None = None  # KV hand-over between replicas (attach_connector)
 
     # -- public API --------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -113,12 +114,8 @@ class Engine:
             new_decoder = partial(StreamDecoder, self.tokenizer, True, tokens[-4:])
         guide = guide_for(self.grammars, params.constraint)
         request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder, guide)
-        transfer = KVTransferParams.parse(params.kv_transfer_params)
-        if transfer is not None and self.connector is None:
-            raise RequestError("kv_transfer_params needs a replica started with a KV connector (--kv-connector)")
+        self.handover.add(request)
         self.requests[request_id] = request
-        if transfer is not None and self.connector is not None:
-            self.connector.add_request(request, transfer)
         self.scheduler.add(request)
         self.metrics.on_arrival()
         return request_id
@@ -138,13 +135,19 @@ class Engine:
 
     def attach_connector(self, connector: KVConnector) -> None:
         """Hand prompts' KV to and take it from other replicas (runtime/kv/connector.py)."""
-        self.connector = connector
-        self.scheduler.external = lambda r: connector.get_num_new_matched_tokens(r, r.num_computed)
+        handover = Handover(connector, self.blocks, self._loaded_remote, self._requeue)
+        self.handover = handover
+        self.scheduler.external = handover.external
+
+    @property
+    def exact(self) -> ExactShapes | None:
+        """The runner's exact shapes when the engine batches exactly (batch-invariant), else None."""
+        return self.mode.shapes
 
     @property
     def pad_lone_rows(self) -> bool:
         """Whether exact steps hand the runner lone rows to pad (it reserved sequences for that)."""
-        return self.exact is not None and self.exact.reserved_seqs > 0
+        return self.mode.reserved_seqs > 0
 
     @property
     def has_work(self) -> bool:
@@ -154,15 +157,14 @@ class Engine:
         """Run one engine step; returns the deltas of every request that produced output."""
         schedule = self.scheduler.schedule()
         self._begin_kv(schedule)
-        loaded = self._load_external(schedule) if self.connector is not None else []
+        loaded = self.handover.load(schedule)  # prompts whose KV another replica computed
         if not schedule.items:
-            if not loaded and self.connector is not None:
-                self.connector.idle_wait()  # every waiting request's KV is still on its way
+            self.handover.idle(loaded)
             return loaded
-        drafts = self.speculator.propose(schedule.items) if self.speculator else {}
-        batch = self._batch(schedule.items, drafts)
-        logits = self._forward(batch, schedule.items, drafts)
-        return loaded + self._sample_and_finish(schedule.items, batch, drafts, logits)
+        self.speculation.propose(schedule.items)
+        batch = self._batch(schedule.items)
+        logits = self._forward(batch, schedule.items)
+        return loaded + self._sample_and_finish(schedule.items, batch, logits)
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | None = None
                  ) -> list[RequestOutput]:
@@ -195,36 +197,18 @@ class Engine:
             self.kv_sync.isolate()  # a scored prompt alone computes as on a fresh runner
         self.kv_sync.begin_step([r.seq_id for r in schedule.preempted], admitted)
 
-    def _load_external(self, schedule: Schedule) -> list[RequestOutput]:
-        """Load the KV a connector fetched for admitted requests, then emit the token the remote prefill
-        sampled; a request whose KV will not load goes back to recompute its prompt."""
-        assert self.connector is not None
-        items = [s for s in schedule.items if s.external]
-        if not items:
-            return []
-        schedule.items = [s for s in schedule.items if not s.external]
-        for s in items:
-            self.connector.update_state_after_alloc(s.request, self.blocks.table(s.request.seq_id), s.external)
-        outputs: list[RequestOutput | None] = []
+    def _loaded_remote(self, request: Request, tokens: int, nbytes: float, seconds: float
+                       ) -> RequestOutput | None:
+        """A prompt's KV came from another replica: record it and emit the token its prefill sampled."""
+        self._computed(request, tokens)
+        request.cached_tokens = request.bill.cached_remote = tokens
+        request.bill.kv_transferred += nbytes
+        request.bill.kv_transfer_s += seconds
+        first = KVTransferParams.parse(request.params.kv_transfer_params)
+        return self._emit(request, [Sampled(t) for t in first.first_token_ids] if first else [])
 
-        def loaded(request: Request, tokens: int, nbytes: float, seconds: float) -> None:
-            self._computed(request, tokens)
-            request.cached_tokens = request.bill.cached_remote = tokens
-            request.bill.kv_transferred += nbytes
-            request.bill.kv_transfer_s += seconds
-            first = KVTransferParams.parse(request.params.kv_transfer_params)
-            outputs.append(self._emit(request, [Sampled(t) for t in first.first_token_ids] if first else []))
-
-        for request in self.connector.start_load_kv(loaded):
-            self.scheduler.remove(request)
-            self.kv_sync.dropped(request.seq_id)
-            request.num_computed = 0
-            request.status = Status.WAITING
-            self.scheduler.add(request)
-        return [out for out in outputs if out is not None]
-
-    def _batch(self, items: list[Scheduled], drafts: dict[int, Draft]) -> StepBatch:
-        return StepBatch([self._chunk(s, drafts.get(s.request.seq_id)) for s in items], exact=self.exact is not None)
+    def _batch(self, items: list[Scheduled]) -> StepBatch:
+        return StepBatch([self._chunk(s, s.draft) for s in items], exact=self.mode.exact)
 
     def _chunk(self, s: Scheduled, draft: Draft | None) -> SeqChunk:
         """The step's tokens of one request; a decode with a draft, or a prompt chunk whose rows are
@@ -240,33 +224,32 @@ class Engine:
             wanted = LogitsWanted.ALL
         return SeqChunk(request.seq_id, tokens, start, self.blocks.table(request.seq_id), wanted)
 
-    def _forward(self, batch: StepBatch, items: list[Scheduled], drafts: dict[int, Draft]) -> np.ndarray:
+    def _forward(self, batch: StepBatch, items: list[Scheduled]) -> np.ndarray:
         started = time.perf_counter()
         logits = self.runner.step_borrowed(batch)  # read within this step, before the next runner call
         seconds = time.perf_counter() - started
         self.metrics.on_step(batch.num_tokens, seconds)
-        if self.speculator is not None:
-            self.speculator.on_step(seconds, items, drafts)
-        self._charge(batch, items, drafts, seconds)
+        self.speculation.on_step(seconds, items)
+        self._charge(batch, items, seconds)
         return logits
 
-    def _charge(self, batch: StepBatch, items: list[Scheduled], drafts: dict[int, Draft], seconds: float) -> None:
+    def _charge(self, batch: StepBatch, items: list[Scheduled], seconds: float) -> None:
         """Put the step on its requests' bills: bytes from the runner's accounting, prompt work, verify time."""
         for s in items:
             r = s.request
-            charge_request(r.bill, len(r.prompt), r.num_computed, s.num_tokens, r.seq_id in drafts, seconds)
+            charge_request(r.bill, len(r.prompt), r.num_computed, s.num_tokens, s.draft is not None, seconds)
         step = self.runner.step_bytes(batch)
         if step is not None:
             charge_step([s.request.bill for s in items], [len(c.tokens) for c in batch.chunks], step)
 
-    def _sample_and_finish(self, items: list[Scheduled], batch: StepBatch, drafts: dict[int, Draft],
-                           logits: np.ndarray) -> list[RequestOutput]:
+    def _sample_and_finish(self, items: list[Scheduled], batch: StepBatch, logits: np.ndarray
+                           ) -> list[RequestOutput]:
         """Record the computed KV, pick each request's new tokens (verifying drafts), emit them."""
         new: list[tuple[Request, list[Sampled]]] = []
         plain: list[tuple[Request, int]] = []  # requests sampling one token, and their logits row
         row = 0
         for s, chunk in zip(items, batch.chunks, strict=True):
-            request, draft = s.request, drafts.get(s.request.seq_id)
+            request, draft = s.request, s.draft
             if draft is not None:
                 new.append((request, self._verify(request, draft, logits[row : row + chunk.logit_rows])))
             else:
@@ -304,10 +287,7 @@ class Engine:
     def _verify(self, request: Request, draft: Draft, rows: np.ndarray) -> list[Sampled]:
         """The tokens a drafted decode emits. The KV of its last token and the accepted drafts stays;
         the rejected tail is overwritten from `num_computed` on (the runner drops it there)."""
-        assert self.speculator is not None
-        tokens = self.speculator.accept(request, draft, draft_rows(rows, request.row, draft.tokens))
-        request.bill.spec_proposed += len(draft.tokens)
-        request.bill.spec_accepted += len(tokens) - 1
+        tokens = self.speculation.accept(request, draft, rows)
         if request.row.guide is not None:
             request.row.guide.advance(tokens)
         self._computed(request, len(tokens), tokens[:-1])
@@ -405,12 +385,16 @@ class Engine:
         seed = None if request.params.seed is None else request.params.seed + request.retries
         temperature = request.params.guard.retry_temperature if request.params.greedy else None
         request.reset_output(seed, temperature)
+        self._requeue(request)
+        return None
+
+    def _requeue(self, request: Request) -> None:
+        """Back to the waiting queue to compute from scratch (a guard retry, KV that would not load)."""
         self.scheduler.remove(request)
         self.kv_sync.dropped(request.seq_id)
         request.num_computed = 0
         request.status = Status.WAITING
         self.scheduler.add(request)
-        return None
 
     def _finish(self, request: Request, reason: str) -> RequestOutput | None:
         if request.decoder is not None and reason != "abort":
@@ -421,11 +405,9 @@ class Engine:
         request.finish_reason = reason
         request.timings.finished = time.perf_counter()
         table = list(self.blocks.seqs[request.seq_id].table) if request.seq_id in self.blocks.seqs else []
-        if self.connector is not None:
-            _, request.kv_transfer_params = self.connector.request_finished(request, table)
+        self.handover.finished(request, table)
         self.scheduler.remove(request)
-        if self.speculator is not None:
-            self.speculator.release(request.seq_id)
+        self.speculation.release(request.seq_id)
         self.kv_sync.finished(request.seq_id, table)
         self.metrics.on_finish(request)
         self._finished.append(request)
