@@ -31,11 +31,11 @@ from twinfer.backends.cuda.runner import build_torch_runner  # noqa: E402
 from twinfer.runtime.engine import Engine, EngineConfig, GuardConfig, SamplingParams  # noqa: E402
 from twinfer.runtime.engine.async_engine import AsyncEngine, Overloaded, ShuttingDown  # noqa: E402
 from twinfer.runtime.runner import Runner  # noqa: E402
+from twinfer.runtime.spec import ModelSpec  # noqa: E402
+from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
 from twinfer.server import create_app  # noqa: E402
 from twinfer.server.http_bench import run_http_bench  # noqa: E402
 from twinfer.server.serve import ServerThread  # noqa: E402
-from twinfer.runtime.spec import ModelSpec  # noqa: E402
-from twinfer.runtime.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "tiny-llama"
 CTX = 512

@@ -3,8 +3,6 @@ for tool_choice required / named / auto, checked token by token against an llgui
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("llguidance")

@@ -1,20 +1,9 @@
 """Batch-1 active-parameter MoE: routed experts stay in the model file and are read on demand.
 
-Non-expert weights are resident as usual. Each MoE layer's `experts.gate/up/down` entry in the
-weights dict is an `ExpertHandle`; a backend's `StreamingOps` (which wraps the backend's Ops) sees the
-handle in `moe`, routes on the device, reads the chosen experts' indices back to the host (the one
-wait per MoE layer that streaming needs), and takes each expert from an `ExpertCache`:
-
-- the cache holds at most `capacity_bytes` of experts in the backend's dtype, least recently used
-  evicted first;
-- after routing layer L it prefetches the experts layer L+1's router picks for the current hidden
-  state (a good guess, since the residual stream changes little between layers) on a reader thread;
-- `ExpertStats` counts hits, prefetch hits, misses, bytes read from the file and the time the
-  forward pass stalled waiting for experts.
-
-Reading goes through the file's memory map, and the pages are dropped from this process's mapping
-after each read (`MADV_DONTNEED`), so the OS's page cache, not the process, holds the file.
-This module imports no torch or mlx; `backends/*/experts.py` supply the array math.
+An MoE layer's expert weights are `ExpertHandle`s; a backend's `StreamingOps` routes on the device,
+reads the chosen indices back (the one wait per MoE layer), and takes each expert from an LRU
+`ExpertCache` bounded in bytes, prefetching layer L+1's guess on a reader thread. Pages are dropped
+after each read, so the OS page cache, not the process, holds the file (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -132,13 +121,8 @@ def streaming_weights(weights: WeightSet, spec: ModelSpec, put: Callable[[str, n
 
 
 class ExpertReader:
-    """Reads one expert's (gate, up, down) float32 host arrays from a model's stored tensors.
-
-    Handles per-expert tensors (HF `experts.{e}.*_proj`, old GGUF `ffn_*.{e}`), stacked [E, ...]
-    tensors (GGUF `ffn_*_exps`, HF fused `down_proj`), HF's fused [E, 2I, C] `gate_up_proj`, and
-    any transform that keeps the expert axis first (gpt-oss's [E, C, 2I] interleaved columns, MXFP4).
-    Safe to call from a reader thread.
-    """
+    """Reads one expert's (gate, up, down) float32 host arrays, per-expert or stacked [E, ...] tensors
+    (any transform keeping the expert axis first); safe to call from a reader thread."""
 
     def __init__(self, weights: WeightSet):
         self.weights = weights
@@ -193,11 +177,8 @@ class ExpertReader:
 
 
 def _owned(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array in its own anonymous mapping: freeing it returns the memory to the OS at once.
-
-    malloc keeps freed blocks of this size in per-thread arenas, so a cache that churns experts
-    through a reader thread would otherwise hold up to twice its budget.
-    """
+    """A float32 array in its own anonymous mapping, returned to the OS when freed (malloc's per-thread
+    arenas would let a churning cache hold up to twice its budget)."""
     count = int(np.prod(shape)) if shape else 1
     buf = mmap.mmap(-1, max(count * 4, 1))
     return np.frombuffer(buf, dtype=np.float32, count=count).reshape(shape)
@@ -255,13 +236,8 @@ class ExpertStats:
 
 @dataclass
 class ExpertCache:
-    """LRU cache of experts on the backend, bounded by `capacity_bytes`.
-
-    `fetch` is called by StreamingOps on the model's thread; `prefetch` queues reads on one reader
-    thread. Experts in flight count against the capacity, so the cache plus the prefetch staging
-    never exceed it. `to_device` turns host float32 arrays into backend arrays; `on_evict` lets a
-    backend return freed buffers to the OS (MLX keeps a buffer cache).
-    """
+    """LRU cache of experts on the backend, bounded by `capacity_bytes` (reads in flight included).
+    `fetch` runs on the model's thread, `prefetch` queues reads on one reader thread."""
 
     reader: ExpertReader
     to_device: Callable[[np.ndarray], Any]
@@ -332,11 +308,8 @@ class ExpertCache:
             self.stats.prefetched += 1
 
     def settle(self, layer: int) -> None:
-        """After `layer` ran: move its finished prefetches into the cache (they were read anyway).
-
-        Reads still in flight stay pending (and keep counting against the capacity) rather than
-        being waited for: waiting here would stall the forward pass for experts it did not need.
-        """
+        """After `layer` ran: move its finished prefetches into the cache; reads in flight stay pending
+        (waiting would stall the forward pass for experts it did not need)."""
         for key in [k for k, f in self._pending.items() if k[0] <= layer and f.done()]:
             self._insert(key, self._pending.pop(key).result())
 

@@ -1,16 +1,8 @@
-"""Decode attention over a paged KV cache, split over the context (flash-decoding) and grouped by KV head.
+"""Decode attention over a paged KV cache, split over the context (flash-decoding), grouped by KV head.
 
-One program per (sequence, KV head, split). It holds the query heads that share its KV head as the
-rows of one tile, so each key and value is loaded once for the whole group (not once per query head),
-and the scores and the weighted values are tensor-core products. Each sequence's context is divided
-evenly over the splits, so a lone long sequence still fills the GPU: at batch 1 an 8-KV-head model
-runs 8 * splits programs instead of one per query head walking the whole context. Each split keeps an
-online softmax (running max and sum) over BLOCK_N positions at a time; a second kernel merges the
-splits' partial sums. With one split the first kernel writes the output itself.
-
-The number of splits depends only on the batch and the block-table width (the shapes), never on the
-context lengths, which stay on the device: a CUDA graph captured once serves every later step. It is a
-runtime argument, so eager steps whose tables grow do not recompile the kernel.
+One program per (sequence, KV head, split) loads each key and value once for its query-head group;
+a second kernel merges the splits' online-softmax partials. The split count depends only on the
+shapes, never on context lengths, so one captured CUDA graph serves every later step.
 """
 
 from __future__ import annotations
