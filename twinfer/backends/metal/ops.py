@@ -403,7 +403,7 @@ class MlxOps:
     def gated_delta(self, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, decay: mx.array,
                     dt_bias: mx.array, ctx: MlxStep, layer: int) -> mx.array:
         assert self.states is not None
-        return self.states.gated_delta(q, k, v, a, b, decay, dt_bias, ctx.state, ctx.q_index, ctx.q_flat, layer)
+        return self.states.gated_delta(q, k, v, a, b, decay, dt_bias, ctx, layer)
 
     def release_state(self, seq_id: int) -> None:
         if self.states is not None:

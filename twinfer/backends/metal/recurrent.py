@@ -5,6 +5,7 @@ the state after each token of a verification chunk for the next step to restore 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -136,9 +137,10 @@ class MlxStates:
         return mx.take(out.reshape(B * Tq, -1), q_flat, axis=0).astype(x.dtype)  # [T, Ch]
 
     def gated_delta(self, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, decay: mx.array,
-                    dt_bias: mx.array, st: MlxStateStep, q_index: mx.array, q_flat: mx.array, layer: int
-                    ) -> mx.array:
-        """See Ops.gated_delta: q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] -> [T, Hv, Dv]."""
+                    dt_bias: mx.array, ctx: Any, layer: int) -> mx.array:
+        """See Ops.gated_delta: q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] -> [T, Hv, Dv]; `ctx` is the
+        step's MlxStep (its state binding and token placement)."""
+        st, q_index, q_flat = ctx.state, ctx.q_index, ctx.q_flat
         f32 = mx.float32
         Hv, Dv, Dk = v.shape[1], v.shape[2], q.shape[-1]
         B, Tq = q_index.shape
