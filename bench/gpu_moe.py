@@ -9,7 +9,7 @@ lm_head) as E4M3 with a scale per row; the routed experts stay BF16 (the grouped
 
 Expert parallelism: with `--ep N` this GPU is one rank of N. It holds 256 / N experts of every layer
 (rank 0's: ids 0 .. 256/N - 1), routes every token over all 256, and computes only the pairs routed to
-its experts (`TorchOps.experts(first=...)`, the path the EP runner takes after its all-to-all). The
+its experts (`TorchOps.experts` with an `ExpertStack` whose `first` is the slice's start, the path the EP runner takes after its all-to-all). The
 all-to-all itself is not in the number: on one GPU there is no peer. The bytes a step reads are the
 dense weights, the KV latents, and the experts this rank's tokens touch: top_k / N of them per token
 at batch 1, and E/N * (1 - (1 - k/E)^B) distinct ones at batch B (uniform routing, which random
@@ -30,7 +30,7 @@ import torch
 
 from twinfer.backends.cuda.formats import Fp8Linear, native_weight_format
 from twinfer.backends.cuda.graphs import TorchRunner
-from twinfer.backends.cuda.ops import TorchOps
+from twinfer.backends.cuda.ops import ExpertStack, TorchOps
 from twinfer.runtime.batch import SeqChunk, StepBatch
 from twinfer.runtime.models import model_for
 from twinfer.runtime.ops import ExpertExtras
@@ -70,7 +70,7 @@ class EPRankOps(TorchOps):
     def moe(self, x: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
             moe: MoESpec, act: str, extras: ExpertExtras | None = None) -> torch.Tensor:
         weights, experts = self.route(x, router, moe, extras)
-        return self.experts(x, weights, experts, gate, up, down, act, first=self.first, moe=moe, extras=extras)
+        return self.experts(x, weights, experts, ExpertStack(gate, up, down, self.first), act, moe=moe, extras=extras)
 
 
 FP8_LEAVES = ("q_a", "q_b", "kv_a", "o", "gate", "up", "down", "lm_head")  # the 2-D projections
