@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from twinfer.runtime.vision import ChunkImage
 
 
 class LogitsWanted(Enum):
@@ -23,6 +27,7 @@ class SeqChunk:
     start: int  # position of tokens[0]
     block_table: list[int] = field(default_factory=list)  # KV block ids, in position order
     logits: LogitsWanted = LogitsWanted.LAST
+    images: list[ChunkImage] = field(default_factory=list)  # image features over some of `tokens`
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -18,6 +18,7 @@ from twinfer.runtime.kv.connector import KVPort
 from twinfer.runtime.kv.traffic import StepBytes, StepTraffic
 from twinfer.runtime.ops import Ops
 from twinfer.runtime.spec import ModelSpec
+from twinfer.runtime.vision import VisionTower
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Runner(ABC):
     traffic: StepTraffic | None = None  # how its steps move bytes (the request bill); None: unknown
     kv_port: KVPort | None = None  # how its KV leaves and enters for another replica (kv/connector.py)
     step_tokens: int = 512  # tokens an engine step computes by default (EngineConfig.max_batch_tokens=None)
+    vision: VisionTower | None = None  # how the model reads images; None: text only
 
     @abstractmethod
     def step(self, batch: StepBatch) -> np.ndarray:
