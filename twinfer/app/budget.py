@@ -17,6 +17,7 @@ from twinfer.runtime.experts import expert_params, plan_expert_budget
 from twinfer.runtime.loaders import LoadedModel, load_model
 
 if TYPE_CHECKING:
+    from twinfer.app.budget_kl import MeasuredKL
     from twinfer.planners.hardware import Cluster
     from twinfer.planners.placement import Placement
 
@@ -45,6 +46,12 @@ class LocalStrategy:
     predicted_bytes: int = 0
     reasons: tuple[str, ...] = field(default_factory=tuple)
     expected_kl: float | None = None
+    measured_kl: MeasuredKL | None = None  # llama.cpp: what the lossy choice costs on a fixed text (budget_kl.py)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the run differs from the stored model: a new file or a quantized KV cache."""
+        return bool(self.requantize or self.prune_layers) or self.kv_type not in (None, "f16")
 
     def runner_options(self, base: RunnerOptions) -> RunnerOptions:
         """`base` with this strategy's choices; the plan's one shared KV cache of `ctx` tokens, except that a
@@ -75,7 +82,9 @@ class LocalStrategy:
         text = "; ".join(parts) + f" (about {self.predicted_bytes / mb:.0f} MB{on_top})."
         if self.reasons:
             text += " " + " ".join(r.rstrip(".") + "." for r in self.reasons)
-        if self.expected_kl is not None:
+        if self.measured_kl is not None:
+            text += " " + self.measured_kl.line(self.expected_kl)
+        elif self.expected_kl is not None:
             text += f" Expected KL against the unconstrained model: about {self.expected_kl:.4f} nats."
         return text
 
@@ -233,6 +242,11 @@ def fit_budget(path: Path, loaded: LoadedModel, backend: str,
 
         run_path = requantize_in_child(run_path, strategy.requantize, _FTYPES[strategy.requantize], r.threads,
                                        embed_type=strategy.embed_type)
+    if strategy.backend == "llamacpp" and strategy.lossy:
+        from twinfer.app.budget_kl import measured_kl
+
+        bound = strategy.expert_cache_bytes if strategy.expert_cache_bytes is not None else r.budget // 2
+        strategy = replace(strategy, measured_kl=measured_kl(path, run_path, strategy.kv_type, bound, r.threads))
     return strategy, run_path, load_model(run_path) if run_path != path else loaded
 
 

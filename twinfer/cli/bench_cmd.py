@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -96,6 +96,9 @@ def run_bench_cmd(options: BenchOptions) -> None:
                            o.requests_per_client, o.corpus, o.max_batch_tokens)
         if session.strategy is not None:  # what the budget chose is part of the result's context
             report["memory_budget"] = session.strategy.summary()
+            measured = session.strategy.measured_kl
+            report["memory_budget_kl"] = {"expected": session.strategy.expected_kl,
+                                          "measured": asdict(measured) if measured else None}
     _print(report, o.json_out)
 
 
