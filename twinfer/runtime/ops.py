@@ -66,7 +66,7 @@ class Ops(Protocol):
         ...
 
     def act(self, x: Array, kind: str) -> Array:
-        """Elementwise activation: "silu", "gelu_tanh" or "sigmoid"."""
+        """Elementwise activation: "silu", "gelu_tanh", "gelu" (the exact, erf one) or "sigmoid"."""
         ...
 
     def softcap(self, x: Array, cap: float) -> Array:

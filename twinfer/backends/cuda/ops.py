@@ -233,6 +233,8 @@ class TorchOps:
             return F.silu(x)
         if kind == "gelu_tanh":
             return F.gelu(x, approximate="tanh")
+        if kind == "gelu":
+            return F.gelu(x)
         if kind == "sigmoid":
             return torch.sigmoid(x)
         raise ValueError(f"unknown activation {kind!r}")

@@ -182,6 +182,8 @@ class MlxOps:
             return x * mx.sigmoid(x)
         if kind == "gelu_tanh":  # torch's F.gelu(approximate="tanh"), term for term
             return 0.5 * x * (1.0 + mx.tanh(_GELU_BETA * (x + 0.044715 * (x * x * x))))
+        if kind == "gelu":
+            return 0.5 * x * (1.0 + mx.erf(x * (1.0 / math.sqrt(2.0))))
         if kind == "sigmoid":
             return mx.sigmoid(x)
         raise ValueError(f"unknown activation {kind!r}")
