@@ -20,6 +20,7 @@ from twinfer.runtime.engine.engine import Engine
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import RequestOutput
 from twinfer.runtime.errors import RequestError, TwinferError
+from twinfer.runtime.vision import Image
 
 
 class Overloaded(TwinferError):
@@ -91,6 +92,7 @@ class _Add:
     params: SamplingParams
     priority: int
     stream: _Stream
+    images: tuple[Image, ...] = ()
 
 
 @dataclass
@@ -259,8 +261,10 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Submit a request; returns its stream once the engine has accepted it. Raises Overloaded,
+                       request_id: str | None = None, priority: int = 0, images: Sequence[Image] = ()
+                       ) -> RequestStream:
+        """Submit a request (`images` as `Engine.add_request` takes them); returns its stream once the
+        engine has accepted it. Raises Overloaded,
         ShuttingDown, EngineDead or RequestError before any output is produced."""
         if self._error is not None:
             raise EngineDead(f"the engine stopped: {self._error!r}")
@@ -276,7 +280,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop())
         message = _Add(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                       params or SamplingParams(), priority, stream)
+                       params or SamplingParams(), priority, stream, tuple(images))
         with self._lock:
             if self._error is not None or self._stopped:
                 raise EngineDead(f"the engine stopped: {self._error!r}")
@@ -376,7 +380,7 @@ class AsyncEngine:
     def _add(self, message: _Add, streams: dict[str, _Stream]) -> None:
         try:
             self.engine.add_request(message.prompt, message.params, request_id=message.request_id,
-                                    priority=message.priority)
+                                    priority=message.priority, images=message.images)
         except RequestError as exc:
             message.stream.put(exc)
             return

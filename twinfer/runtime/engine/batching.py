@@ -39,7 +39,7 @@ class ContinuousBatching:
             if request not in s.running:  # preempted earlier in this loop
                 continue
             n = s.chunk(request, budget)
-            if s.grow(request, n, out):
+            if n and s.grow(request, n, out):  # n == 0: its next image waits for a step with room
                 out.add(request, n)
                 budget -= n
         budget = s.draft_room(out.items, budget)
@@ -59,6 +59,7 @@ class ExactBatching:
         for request in s.running:
             if request.num_computed < len(request.prompt):
                 n = min(len(request.prompt) - request.num_computed, chunk)
+                n = s.fit_images(request, n, s.config.max_batch_tokens)
                 if s.grow(request, n, out):
                     out.add(request, n)
                 return
@@ -80,7 +81,7 @@ class ExactBatching:
             return False
         if s.blocks.blocks_for(len(candidate.prompt) + 1) + len(s.running) > s.blocks.num_free:
             return False
-        n = min(len(candidate.prompt), s.config.max_prefill_chunk)
+        n = s.fit_images(candidate, min(len(candidate.prompt), s.config.max_prefill_chunk), s.config.max_batch_tokens)
         try:
             s.blocks.allocate(candidate.seq_id, [], n, candidate.tokens)
         except OutOfBlocks:

@@ -29,6 +29,8 @@ class Bill:
     kv_written: float = 0.0
     kv_transferred: float = 0.0  # K/V bytes a KV connector loaded: the prompt's KV, nothing else
     kv_transfer_overhead: float = 0.0  # the rest of what it received: positions, headers, framing
+    image_tokens: int = 0  # prompt positions image features fill
+    encoder_s: float = 0.0  # vision tower time spent on its images (inside prefill; 0 when cached)
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the connector's route facts
 
     def charge(self, share: float, weights: float, experts: float, kv_read: float, kv_written: float) -> None:
@@ -41,6 +43,7 @@ class Bill:
                 prompt: int, output: int) -> dict[str, Any]:
         """The bill; the five times add up to finished - arrival."""
         scheduled = finished if scheduled is None else scheduled
+        images = {"images": {"tokens": self.image_tokens, "encoder_ms": self.encoder_s * 1000.0}}
         first = finished if first_token is None else max(first_token, scheduled)
         transfer = min(self.kv_transfer_s, scheduled - arrival)
         verify = min(self.spec_verify_s, finished - first)
@@ -56,6 +59,7 @@ class Bill:
                       "kv_read": round(self.kv_read), "kv_written": round(self.kv_written),
                       "kv_transferred": round(self.kv_transferred),
                       "kv_transfer_overhead": round(self.kv_transfer_overhead)},
+            **(images if self.image_tokens else {}),
         }
 
 

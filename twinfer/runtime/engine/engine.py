@@ -20,6 +20,7 @@ from twinfer.runtime.engine.batching import StepMode
 from twinfer.runtime.engine.bill import charge_request, charge_step
 from twinfer.runtime.engine.guard import LoopGuard, bounded_by_grammar, token_text
 from twinfer.runtime.engine.hooks import Handover, NoHandover, NoSpeculation, Speculation
+from twinfer.runtime.engine.images import FeatureCache, key_tokens
 from twinfer.runtime.engine.metrics import EngineMetrics
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import Request, RequestOutput, Status, TokenLogprob
@@ -32,6 +33,7 @@ from twinfer.runtime.runner import ExactShapes, Runner
 from twinfer.runtime.speculative.proposer import Draft, Proposer
 from twinfer.runtime.speculative.speculator import SpecConfig, Speculator
 from twinfer.runtime.tokenizer.detok import StreamDecoder
+from twinfer.runtime.vision import ChunkImage, Image, ImageSpan
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class EngineConfig:
     keep_finished: int = 64  # finished requests left in `Engine.requests` for callers; older ones go
     spec: SpecConfig = field(default_factory=SpecConfig)  # used when the engine gets a proposer
     replica: str | None = None  # this replica's name in a cluster (the bill's route)
+    image_cache: int = 16  # images whose encoded features stay for reuse (engine/images.py)
 
 
 class Engine:
@@ -72,8 +75,11 @@ class Engine:
         slots = kv.max_seqs - self.mode.reserved_seqs  # sequences the runner holds for us
         self.kv_sync = runner.kv_sync(self.blocks, slots, lambda: len(self.scheduler.running))
         step_tokens = runner.step_tokens if self.config.max_batch_tokens is None else self.config.max_batch_tokens
+        vision = runner.vision
         sched = SchedulerConfig(step_tokens, min(self.config.max_seqs, slots), self.config.max_prefill_chunk,
-                                self.mode.exact, self.mode.decode_rows or SchedulerConfig.invariant_rows)
+                                self.mode.exact, self.mode.decode_rows or SchedulerConfig.invariant_rows,
+                                whole_images=vision is not None and vision.bidirectional)
+        self.features = FeatureCache(vision, self.config.image_cache) if vision is not None else None
         window = runner.spec.max_position
         self.max_context = min(self.config.max_context or window, window, kv.max_seq_tokens)
         self.speculation = NoSpeculation() if proposer is None else Speculation(
@@ -93,10 +99,12 @@ class Engine:
 
     # -- public API --------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+                    request_id: str | None = None, priority: int = 0, images: Sequence[Image] = ()) -> str:
+        """Queue a prompt (text or token ids); returns its request id. `images` go, in order, where the
+        prompt's image markers are (the model's `VisionTower.expand`)."""
         params = params or SamplingParams()
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens, spans = self._expand(tokens, images)
         if not tokens:
             raise RequestError("the prompt is empty: give at least one token of text")
         if len(tokens) >= self.max_context:
@@ -113,12 +121,33 @@ class Engine:
         if self.tokenizer is not None:
             new_decoder = partial(StreamDecoder, self.tokenizer, True, tokens[-4:])
         guide = guide_for(self.grammars, params.constraint)
-        request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder, guide)
+        keys = key_tokens(tokens, spans, vocab) if spans else None
+        request = Request(request_id, next(self._seq_ids), tokens, params, priority, new_decoder, guide, spans, keys)
+        request.bill.image_tokens = request.image_tokens
         self.handover.add(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.metrics.on_arrival()
         return request_id
+
+    def _expand(self, tokens: list[int], images: Sequence[Image]) -> tuple[list[int], list[ImageSpan]]:
+        """The prompt with each image marker expanded to the model's placeholder run, and the spans."""
+        if not images:
+            return tokens, []
+        vision = self.runner.vision
+        if vision is None:
+            name = self.runner.spec.name or self.runner.spec.model_type
+            raise RequestError(f"this model reads no images ({name} has no vision tower): send text only")
+        try:
+            tokens, spans = vision.expand(tokens, list(images))
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        room = self.scheduler.config.max_batch_tokens
+        longest = max((s.length for s in spans), default=0)
+        if self.scheduler.config.whole_images and longest > room:
+            raise RequestError(f"an image takes {longest} positions, which one step computes whole, but a step "
+                               f"computes at most {room} tokens: raise max_batch_tokens to at least {longest}")
+        return tokens, spans
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Unknown or finished ids are ignored."""
@@ -222,7 +251,15 @@ class Engine:
         wanted = LogitsWanted.LAST if last else LogitsWanted.NONE
         if request.wants_prompt_logprobs and start < len(request.prompt) - 1:
             wanted = LogitsWanted.ALL
-        return SeqChunk(request.seq_id, tokens, start, self.blocks.table(request.seq_id), wanted)
+        images = self._chunk_images(request, start, s.num_tokens) if request.images else []
+        return SeqChunk(request.seq_id, tokens, start, self.blocks.table(request.seq_id), wanted, images)
+
+    def _chunk_images(self, request: Request, start: int, n: int) -> list[ChunkImage]:
+        """The image features chunk [start, start + n) covers, encoded now if not cached (the bill's time)."""
+        assert self.features is not None, "a request with images on a runner without vision"
+        images, seconds = self.features.chunk_images(request.images, start, n)
+        request.bill.encoder_s += seconds
+        return images
 
     def _forward(self, batch: StepBatch, items: list[Scheduled]) -> np.ndarray:
         started = time.perf_counter()
@@ -296,7 +333,7 @@ class Engine:
     def _computed(self, request: Request, n: int, accepted: list[int] | None = None) -> None:
         """n more tokens are in KV: register their full blocks (`accepted`: drafts not yet in output)."""
         request.num_computed += n
-        tokens = request.tokens + accepted if accepted else request.tokens
+        tokens = request.key_tokens + accepted if accepted else request.key_tokens
         self.blocks.mark_computed(request.seq_id, tokens, request.num_computed)
         self.kv_sync.computed(request.seq_id, request.num_computed)
 

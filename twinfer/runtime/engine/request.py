@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -15,6 +15,7 @@ from twinfer.runtime.constraints.mask import Guide
 from twinfer.runtime.engine.bill import Bill
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.sampler import RowState
+from twinfer.runtime.vision import ImageSpan
 
 
 class Status(Enum):
@@ -44,6 +45,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    image_tokens: int = 0  # prompt positions an image's features fill
     metrics: dict[str, float] = field(default_factory=dict)
     cost: dict[str, Any] | None = None  # the request's bill (engine/bill.py), on its final output
     kv_transfer_params: dict[str, Any] | None = None  # what a KV connector hands the client (final output)
@@ -75,10 +77,13 @@ class Request:
     """One generation. `seq_id` names its KV to the block manager and the runner."""
 
     def __init__(self, request_id: str, seq_id: int, prompt: list[int], params: SamplingParams,
-                 priority: int = 0, new_decoder: Callable[[], Any] | None = None, guide: Guide | None = None):
+                 priority: int = 0, new_decoder: Callable[[], Any] | None = None, guide: Guide | None = None,
+                 images: Sequence[ImageSpan] = (), prompt_keys: list[int] | None = None):
         self.request_id = request_id
         self.seq_id = seq_id
         self.prompt = list(prompt)
+        self.images = list(images)  # where each image's features go, in position order
+        self._prompt_keys = prompt_keys  # the prompt as prefix-cache keys read it (engine/images.py)
         self.params = params
         self.priority = priority
         self.output: list[int] = []
@@ -106,6 +111,15 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def key_tokens(self) -> list[int]:
+        """The ids prefix-cache keys hash: `tokens`, with each image's positions keyed by its digest."""
+        return self.tokens if self._prompt_keys is None else self._prompt_keys + self.output
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(span.length for span in self.images)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
@@ -128,7 +142,7 @@ class Request:
         return RequestOutput(request_id=self.request_id, text=text, token_ids=token_ids, finished=final,
                              finish_reason=self.finish_reason, logprobs=logprobs, prompt_tokens=len(self.prompt),
                              completion_tokens=len(self.output), cached_tokens=self.cached_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             image_tokens=self.image_tokens, prompt_logprobs=prompt_logprobs)
 
     def reset_output(self, seed: int | None, temperature: float | None) -> None:
         """Start the generation over (the guard's retry): same prompt, fresh seed."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from twinfer.runtime.engine.batching import Batching, ContinuousBatching, ExactBatching
+from twinfer.runtime.engine.images import whole_image_chunk, whole_image_prefix
 from twinfer.runtime.engine.request import Request, Status
 from twinfer.runtime.kv.block_manager import BlockManager, OutOfBlocks
 
@@ -29,6 +30,7 @@ class SchedulerConfig:
     # exact (batch-invariant) batching, at most `invariant_rows` decode rows a step (batching.py)
     batch_invariant: bool = False
     invariant_rows: int = 7
+    whole_images: bool = False  # never split an image across steps (its positions attend both ways)
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_seqs < 1 or self.max_prefill_chunk < 1:
@@ -132,7 +134,14 @@ class Scheduler:
             # scored prompts run in chunks at multiples of max_prefill_chunk, as a runner splits one
             # whole-window step (chunk shapes change a row's logits on some runners)
             n = min(n, self.config.max_prefill_chunk - request.num_computed % self.config.max_prefill_chunk)
-        return n
+        return self.fit_images(request, n, budget)
+
+    def fit_images(self, request: Request, n: int, budget: int) -> int:
+        """`n` tokens from the request's next position, cut so that no image is split (engine/images.py);
+        0: the image that starts there does not fit `budget` this step."""
+        if not self.config.whole_images or not request.images:
+            return n
+        return whole_image_chunk(request.images, request.num_computed, n, budget)
 
     def grow(self, request: Request, n: int, out: Schedule) -> bool:
         """Make room for n more tokens of a running request, preempting others if needed."""
@@ -169,10 +178,15 @@ class Scheduler:
             # a request scoring its prompt reads no cached prefix: cached rows carry no logits (vLLM skips
             # the lookup for prompt_logprobs too); its own blocks are still registered for others
             scored = request.params.prompt_logprobs is not None
-            prefix = [] if external or scored else self.blocks.match_prefix(tokens)
+            prefix = [] if external or scored else self.blocks.match_prefix(request.key_tokens)
             prefix = prefix[: self.prefix_ok(prefix)]
+            if self.config.whole_images and request.images:
+                prefix = prefix[: whole_image_prefix(request.images, len(prefix), self.blocks.block_size)]
             request.num_computed = len(prefix) * self.blocks.block_size
             n = 0 if external else min(len(tokens) - request.num_computed, budget, self.config.max_prefill_chunk)
+            if not external and (n := self.fit_images(request, n, budget)) == 0:
+                request.num_computed = 0
+                break  # its next image needs a step with more room
             try:
                 self.blocks.allocate(request.seq_id, prefix, request.num_computed + max(n, external), tokens)
             except OutOfBlocks:
