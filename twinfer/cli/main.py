@@ -348,6 +348,8 @@ def plan(
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Experts per token of a --params MoE.")] = None,  # noqa: UP045
     calibration: Annotated[Optional[str], typer.Option(  # noqa: UP045
         "--calibration", help="JSON file overriding efficiency factors (see planners/calibration.py).")] = None,
+    images: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        "--images", help="Images per request (default: 1 for a model with a vision encoder, else 0).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     list_models: Annotated[bool, typer.Option("--list-models", help="List the built-in catalog and exit.")] = False,
 ) -> None:
@@ -357,7 +359,7 @@ def plan(
     run_plan(PlanOptions(
         model, hardware, gpus=gpus, nodes=nodes, fmt=fmt, kv_format=kv_format, context=context,
         concurrency=concurrency, memory_budget=memory_budget, params=params, active_params=active_params,
-        layers=layers, experts=experts, top_k=top_k, calibration=calibration, json_out=json_out,
+        layers=layers, experts=experts, top_k=top_k, calibration=calibration, images=images, json_out=json_out,
         list_models=list_models))
 
 

@@ -32,12 +32,15 @@ class PlanOptions:
     experts: int | None = None
     top_k: int | None = None
     calibration: str | None = None
+    images: int | None = None  # per request; None: one for a model with a vision encoder, else none
     json_out: bool = False
     list_models: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise PlanError(f"--concurrency must be at least 1, got {self.concurrency}", field="concurrency")
+        if self.images is not None and self.images < 0:
+            raise PlanError(f"--images must be 0 or more, got {self.images}", field="images")
         if self.context is not None and self.context < 1:
             raise PlanError(f"--context must be at least 1, got {self.context}", field="context")
         if self.params is not None and self.model is not None:
@@ -68,10 +71,13 @@ def run_plan(options: PlanOptions) -> None:
                              layers=o.layers, experts=o.experts, top_k=o.top_k)
     else:
         profile = resolve(o.model)
-    ctx = o.context if o.context is not None else min(4096, profile.spec.max_position)
-    if ctx > profile.spec.max_position:
-        raise PlanError(f"--context {ctx} exceeds {profile.name}'s limit of {profile.spec.max_position} tokens",
-                        field="context")
+    profile = profile.with_images(o.images)
+    room = profile.spec.max_position - profile.image_tokens
+    ctx = o.context if o.context is not None else min(4096, room)
+    if ctx > room:
+        images = f" plus {profile.image_tokens} image tokens" if profile.image_tokens else ""
+        raise PlanError(f"--context {ctx}{images} exceeds {profile.name}'s limit of {profile.spec.max_position} "
+                        "tokens", field="context")
     cluster = resolve_cluster(o.hardware, o.gpus, o.nodes, o.memory_budget)
     cal = Calibration.load(o.calibration) if o.calibration else Calibration()
     plan = make_plan(profile, cluster, Request(ctx, o.concurrency, o.fmt, o.kv_format), cal)

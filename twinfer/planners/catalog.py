@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from twinfer.planners.hardware import normalize
 from twinfer.planners.model import ModelProfile, profile_from_spec
+from twinfer.planners.vision import REFERENCE_IMAGE_SIDE, VisionProfile, merged_tokens
 from twinfer.runtime.errors import PlanError
 from twinfer.runtime.spec import FULL, SIGMOID, SLIDING, DSASpec, LinearAttnSpec, MLASpec, ModelSpec, MoESpec
 
@@ -19,9 +20,44 @@ class Entry:
     repo: str  # Hugging Face repository of the config.json
     native: str = "bf16"
     aliases: tuple[str, ...] = ()
+    vision: VisionProfile | None = None  # the checkpoint's vision encoder, counted from its vision_config
 
     def profile(self) -> ModelProfile:
-        return profile_from_spec(self.spec, name=self.name, native=self.native, source=f"catalog ({self.repo})")
+        return profile_from_spec(self.spec, name=self.name, native=self.native, source=f"catalog ({self.repo})",
+                                 vision=self.vision)
+
+
+def _vit_layers(width: int, inter: int, layers: int) -> int:
+    """A pre-norm ViT's blocks: two LayerNorms, q/k/v/o and a two-layer MLP, every linear with a bias."""
+    return layers * (4 * width + 4 * (width * width + width) + 2 * width * inter + inter + width)
+
+
+def _siglip(text_width: int) -> VisionProfile:
+    """Gemma 3's SigLIP (so400m: 27 x 1152, MLP 4304, 14-pixel patches of an 896-pixel image, no head) and
+    its projector (an RMSNorm and a 1152 x text-width matrix): mm_tokens_per_image 256."""
+    w, grid = 1152, 896 // 14
+    tower = 3 * 14 * 14 * w + w + grid * grid * w + _vit_layers(w, 4304, 27) + 2 * w
+    return VisionProfile(tower + w + w * text_width, 256, source="SigLIP so400m encoder + projector")
+
+
+def _qwen35_vision(text_width: int) -> VisionProfile:
+    """Qwen3.5's tower (27 x 1152, MLP 4304, 16-pixel patches over 2 frames, 2304 learned positions) and
+    its 2 x 2 patch merger to the text width; tokens for a REFERENCE_IMAGE_SIDE image."""
+    w, merged = 1152, 4 * 1152
+    tower = 3 * 2 * 16 * 16 * w + w + 2304 * w + _vit_layers(w, 4304, 27)
+    merger = 2 * w + merged * merged + merged + merged * text_width + text_width
+    return VisionProfile(tower + merger, merged_tokens(REFERENCE_IMAGE_SIDE, 16, 2),
+                         source=f"Qwen3.5 vision tower + merger; {REFERENCE_IMAGE_SIDE}-pixel images")
+
+
+def _moonvit(text_width: int) -> VisionProfile:
+    """Kimi K2.5's MoonViT (27 x 1152, MLP 4304, 14-pixel patches, a 64 x 64 position grid) and its
+    projector (LayerNorm, 2 x 2 merged patches through a 4608-wide MLP to the text width)."""
+    w, merged = 1152, 4 * 1152
+    tower = 3 * 14 * 14 * w + w + 64 * 64 * w + _vit_layers(w, 4304, 27) + 2 * w
+    projector = 2 * w + merged * merged + merged + merged * text_width + text_width
+    return VisionProfile(tower + projector, merged_tokens(REFERENCE_IMAGE_SIDE, 14, 2),
+                         source=f"MoonViT encoder + projector; {REFERENCE_IMAGE_SIDE}-pixel images")
 
 
 def _every(n: int, layers: int, offset: int = 0) -> tuple[str, ...]:
@@ -110,7 +146,7 @@ def _glm5(name: str, repo: str) -> Entry:
 def _kimi_k25(name: str, repo: str) -> Entry:
     """Kimi K2.5's text_config: Kimi K2's shape at 256K context, its routed experts published in INT4."""
     k2 = _deepseek(name, repo, 64, 384, 1, 163840, 262144)
-    return Entry(name, k2.spec, repo, native="int4-moe")
+    return Entry(name, k2.spec, repo, native="int4-moe", vision=_moonvit(k2.spec.hidden_size))
 
 
 def _minimax_m2(name: str, repo: str) -> Entry:
@@ -136,7 +172,7 @@ def _qwen_hybrid(name: str, repo: str, model_type: str, d: int, L: int, h: int, 
                                                 conv_kernel=4),
                      moe=MoESpec(num_experts=count, top_k=top_k, expert_intermediate_size=moe_inter,
                                  num_shared_experts=1, shared_intermediate_size=moe_inter))
-    return Entry(name, spec, repo)
+    return Entry(name, spec, repo, vision=_qwen35_vision(d) if model_type == "qwen3_5_moe" else None)
 
 
 def _gpt_oss(name: str, L: int, experts: int) -> Entry:
@@ -148,15 +184,15 @@ def _gpt_oss(name: str, L: int, experts: int) -> Entry:
     return Entry(name, spec, f"openai/{name}", native="mxfp4-moe")
 
 
-def _gemma3(name: str, repo: str, dims: _Dims, hd: int, vocab: int, window: int, scalar: float, max_pos: int
-            ) -> Entry:
+def _gemma3(name: str, repo: str, dims: _Dims, hd: int, vocab: int, window: int, scalar: float, max_pos: int,
+            vision: bool = False) -> Entry:
     L = dims.L
     spec = ModelSpec(model_type="gemma3", name=name, vocab_size=vocab, hidden_size=dims.d, num_layers=L,
                      num_heads=dims.h, num_kv_heads=dims.kv, head_dim=hd, intermediate_size=dims.inter,
                      max_position=max_pos, rope_theta=1e6,
                      rope_local_theta=1e4, sliding_window=window, layer_types=_every(6, L), hidden_act="gelu_tanh",
                      tie_word_embeddings=True, qk_norm=True, embed_scale=True, query_pre_attn_scalar=scalar)
-    return Entry(name, spec, repo)
+    return Entry(name, spec, repo, vision=_siglip(dims.d) if vision else None)
 
 
 def _gemma4(name: str, repo: str, d: int, L: int, h: int, kv: int, global_kv: int, inter: int,
@@ -212,9 +248,14 @@ ENTRIES: list[Entry] = [
         num_kv_heads=8, head_dim=128, intermediate_size=14336, max_position=32768, rope_theta=1e6, rms_norm_eps=1e-5,
         moe=MoESpec(num_experts=8, top_k=2, expert_intermediate_size=14336)), "mistralai/Mixtral-8x7B-v0.1"),
     _gemma3("gemma-3-270m", "google/gemma-3-270m", _Dims(640, 18, 4, 1, 2048), 256, 262144, 512, 256.0, 32768),
-    _gemma3("gemma-3-27b", "google/gemma-3-27b-it", _Dims(5376, 62, 32, 16, 21504), 128, 262208, 1024, 168.0, 131072),
+    _gemma3("gemma-3-27b", "google/gemma-3-27b-it", _Dims(5376, 62, 32, 16, 21504), 128, 262208, 1024, 168.0, 131072,
+            vision=True),
     _gemma4("gemma-4-31b", "google/gemma-4-31B-it", 5376, 60, 32, 16, 4, 21504),
     _gemma4("gemma-4-26b-a4b", "google/gemma-4-26B-A4B-it", 2816, 30, 16, 8, 2, 2112, experts=(128, 8, 704)),
+    _gemma3("gemma-3-4b", "google/gemma-3-4b-it", _Dims(2560, 34, 8, 4, 10240), 256, 262208, 1024, 256.0, 131072,
+            vision=True),
+    _gemma3("gemma-3-12b", "google/gemma-3-12b-it", _Dims(3840, 48, 16, 8, 15360), 256, 262208, 1024, 256.0, 131072,
+            vision=True),
 ]
 
 CATALOG: dict[str, Entry] = {e.name: e for e in ENTRIES}

@@ -1,5 +1,6 @@
-"""The memory model: what one device holds under a strategy (weights shard, KV for the sequences in
-flight, workspace, overhead), and what is left for the KV cache. Only batch-1 plans stream experts."""
+"""The memory model: what one device holds under a strategy (weights shard, a vision encoder whole, KV
+for the sequences in flight and their images, workspace, overhead), and what is left for the KV cache.
+Only batch-1 plans stream experts."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ class Memory:
     overhead: float
     capacity: float
     devices: int
+    vision_weights: float = 0.0  # the vision encoder and projector, whole on every device
+    image_kv: float = 0.0  # KV of the sequences' image tokens (beside `kv`, their text)
 
     @property
     def used(self) -> float:
-        return self.resident_weights + self.kv + self.activations + self.overhead
+        return self.resident_weights + self.vision_weights + self.kv + self.image_kv + self.activations + self.overhead
 
     @property
     def fits(self) -> bool:
@@ -77,15 +80,22 @@ def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency
     seqs = math.ceil(max(1, concurrency) / s.dp)
     kv_tok = kv_alloc_per_token(profile, s, context)
     state = profile.spec.state_bytes_per_seq()  # linear-attention layers: a fixed state per sequence, not per token
-    cells = -(-context // LLAMACPP_CELLS) * LLAMACPP_CELLS if s.engine == "llamacpp" else context
+    cells = _cells(s, context)
     kv = seqs * (kv_tok * cells + state) / kv_shard(profile, s)
+    image_kv = seqs * kv_tok * (_cells(s, context + profile.image_tokens) - cells) / kv_shard(profile, s)
     dev = cluster.device
     overhead = LOCAL_OVERHEAD if dev.kind in (APPLE, CPU) else RUNTIME_OVERHEAD.get(s.engine, 1.0e9)
     return Memory(
         weights_bytes=weights, resident_weights=resident, streamed_weights=streamed, kv_bytes_per_token=kv_tok,
         kv=kv, activations=activation_bytes(profile, s, seqs), overhead=overhead,
         capacity=cluster.capacity_per_device, devices=s.dp * shard,
+        vision_weights=profile.vision_bytes(s.mix, s.engine), image_kv=image_kv,
     )
+
+
+def _cells(s: Strategy, tokens: int) -> int:
+    """KV cells a sequence of `tokens` takes: llama.cpp allocates whole multiples of LLAMACPP_CELLS."""
+    return -(-tokens // LLAMACPP_CELLS) * LLAMACPP_CELLS if s.engine == "llamacpp" else tokens
 
 
 def max_concurrency(profile: ModelProfile, cluster: Cluster, s: Strategy, context: int) -> int:
@@ -93,7 +103,7 @@ def max_concurrency(profile: ModelProfile, cluster: Cluster, s: Strategy, contex
     one = memory_for(profile, cluster, s, 1, context)
     if not one.fits:
         return 0
-    per_seq = one.kv + profile.spec.vocab_size * 4  # KV shard plus a row of logits, per device
+    per_seq = one.kv + one.image_kv + profile.spec.vocab_size * 4  # KV shard plus a row of logits, per device
     n = s.dp * (1 + int((one.capacity - one.used) // per_seq))
     while n > 1 and not memory_for(profile, cluster, s, n, context).fits:
         n = max(1, min(n - 1, int(n * 0.98)))
@@ -102,7 +112,7 @@ def max_concurrency(profile: ModelProfile, cluster: Cluster, s: Strategy, contex
 
 def max_context(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency: int) -> int:
     """Longest context (up to the model's limit) at which `concurrency` sequences fit."""
-    hi = profile.spec.max_position
+    hi = profile.spec.max_position - profile.image_tokens
     if memory_for(profile, cluster, s, concurrency, hi).fits:
         return hi
     lo = 0

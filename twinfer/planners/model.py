@@ -4,9 +4,10 @@ parameter count, or a GGUF; components are what a mix prices and a step reads di
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from twinfer.planners.formats import COMPONENTS, FORMATS, LOSSLESS, Mix, written_format
+from twinfer.planners.vision import VisionProfile
 from twinfer.runtime.errors import PlanError
 from twinfer.runtime.spec import FULL, LINEAR, SLIDING, ModelSpec, MoESpec
 
@@ -23,7 +24,8 @@ EMBED_KL_WEIGHT = 0.22
 @dataclass(frozen=True)
 class ModelProfile:
     """Everything the memory and cost models need about one model: `params` per component, one routed
-    expert's `expert_params`, the published mix (`native`) and a GGUF's exact one (`stored`)."""
+    expert's `expert_params`, the published mix (`native`), a GGUF's exact one (`stored`) and the vision
+    encoder with the images each request brings (`vision`, outside `params`)."""
 
     name: str
     spec: ModelSpec
@@ -32,6 +34,7 @@ class ModelProfile:
     stored: Mix | None = None
     source: str = "catalog"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    vision: VisionProfile | None = None
 
     def count(self, component: str) -> float:
         return dict(self.params).get(component, 0.0)
@@ -39,6 +42,26 @@ class ModelProfile:
     @property
     def total_params(self) -> float:
         return sum(v for _, v in self.params)
+
+    @property
+    def image_tokens(self) -> int:
+        """Context tokens each request's images take (0 for a text-only model or plan)."""
+        return self.vision.image_tokens if self.vision else 0
+
+    def with_images(self, images: int | None) -> ModelProfile:
+        """This model planned for `images` per request (None: its default, one for a vision model)."""
+        if images is None:
+            return self
+        if self.vision is None:
+            if images:
+                raise PlanError(f"--images {images}: {self.name} has no vision encoder (a checkpoint with "
+                                "vision_tower tensors, or a GGUF with an mmproj file beside it)")
+            return self
+        return replace(self, vision=self.vision.with_images(images))
+
+    def vision_bytes(self, mix: Mix, engine: str) -> float:
+        """The vision encoder's bytes as `engine` running `mix` holds them (0 without one)."""
+        return self.vision.weight_bytes(mix.default, engine) if self.vision else 0.0
 
     @property
     def moe(self) -> MoESpec | None:
@@ -228,7 +251,7 @@ def _linear_attention(s: ModelSpec, counts: dict[str, float], full: tuple[float,
 
 
 def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", source: str = "catalog",
-                      notes: tuple[str, ...] = ()) -> ModelProfile:
+                      notes: tuple[str, ...] = (), vision: VisionProfile | None = None) -> ModelProfile:
     """Count a spec's weights per component (norm and bias vectors included, rotary tables not)."""
     d, L = spec.hidden_size, spec.num_layers
     attn, attn_v, attn_out = _attention_params(spec)
@@ -260,7 +283,7 @@ def profile_from_spec(spec: ModelSpec, name: str = "", native: str = "bf16", sou
             counts["mlp_down"] += d * spec.intermediate_size
     return ModelProfile(
         name=name or spec.name or spec.model_type, spec=spec, params=tuple(counts.items()), native=native,
-        source=source, notes=notes,
+        source=source, notes=notes, vision=vision,
     )
 
 

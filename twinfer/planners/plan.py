@@ -50,7 +50,8 @@ class Plan:
             "fits": self.fits,
             "target": self.target,
             "model": {"name": m.name, "source": m.source, "params": m.total_params, "active_params": m.active_params,
-                      "layers": m.spec.num_layers, "experts": m.moe.num_experts if m.moe else None},
+                      "layers": m.spec.num_layers, "experts": m.moe.num_experts if m.moe else None,
+                      "vision": _vision_json(m)},
             "hardware": {"name": self.cluster.device.name, "label": self.cluster.device.label,
                          "gpus_per_node": self.cluster.gpus_per_node, "nodes": self.cluster.nodes,
                          "bandwidth_gbs": self.cluster.device.bandwidth_gbs,
@@ -93,10 +94,20 @@ class Plan:
         return out
 
 
+def _vision_json(m: ModelProfile) -> dict[str, Any] | None:
+    v = m.vision
+    if v is None:
+        return None
+    return {"params": v.params, "tokens_per_image": v.tokens_per_image, "images_per_request": v.images,
+            "source": v.source}
+
+
 def _memory_json(c: Candidate) -> dict[str, Any]:
     mem = c.memory
     return {
         "weights_bytes": mem.weights_bytes,
+        "vision_weights_bytes_per_device": mem.vision_weights,
+        "image_kv_bytes_per_device": mem.image_kv,
         "resident_weights_bytes_per_device": mem.resident_weights,
         "kv_bytes_per_token": mem.kv_bytes_per_token,
         "kv_bytes_per_device": mem.kv,
@@ -125,8 +136,10 @@ def runner_formats(backend: str, device_kind: str) -> tuple[str, str]:
 def make_plan(model: ModelProfile, cluster: Cluster, request: Request, cal: Calibration | None = None) -> Plan:
     """Choose how to run `model` on `cluster` for `request`, predict its speed, and explain the choice."""
     cal = cal or Calibration()
-    if request.context > model.spec.max_position:
-        raise PlanError(f"--context {request.context} exceeds {model.name}'s limit of {model.spec.max_position} tokens")
+    if request.context + model.image_tokens > model.spec.max_position:
+        images = f" plus {model.image_tokens} image tokens" if model.image_tokens else ""
+        raise PlanError(f"--context {request.context}{images} exceeds {model.name}'s limit of "
+                        f"{model.spec.max_position} tokens")
     target = target_of(cluster)
     chosen, evaluated = search(model, cluster, request, cal)
     notes = model.notes + cluster.notes

@@ -33,6 +33,7 @@ def render_plan(plan: Plan) -> str:
         + (f" of {fmt_bytes(mem.weights_bytes)} total" if mem.devices > 1 else ""),
         f"  KV cache     {fmt_bytes(mem.kv)}  ({fmt_bytes(mem.kv_bytes_per_token)}/token x {req.context} tokens"
         f" x {req.concurrency} sequence(s))",
+        *_vision_lines(plan),
         f"  activations  {fmt_bytes(mem.activations)}",
         f"  runtime      {fmt_bytes(mem.overhead)}",
         f"  total        {fmt_bytes(used)} of {fmt_bytes(mem.capacity)} usable ({used / mem.capacity:.0%})",
@@ -53,6 +54,17 @@ def render_plan(plan: Plan) -> str:
         lines += ["warnings", *(f"  ! {w}" for w in plan.warnings)]
     lines += _alternatives(plan)
     return "\n".join(lines + _notes(plan))
+
+
+def _vision_lines(plan: Plan) -> list[str]:
+    """The vision encoder's weights and the image tokens' KV (a model with a vision encoder only)."""
+    v, c = plan.model.vision, plan.chosen
+    if v is None or c is None:
+        return []
+    return [f"  vision       {fmt_bytes(c.memory.vision_weights)}  (encoder + projector, "
+            f"{fmt_count(v.params)} parameters)",
+            f"  image KV     {fmt_bytes(c.memory.image_kv)}  ({v.tokens_per_image} tokens/image x {v.images} image(s)"
+            f" x {plan.request.concurrency} sequence(s))"]
 
 
 def _experts_line(plan: Plan) -> str:

@@ -193,7 +193,8 @@ def pruned(profile: ModelProfile, share: float) -> ModelProfile:
         layers = max(1, round(spec.num_layers * (1 - share)))
         types = spec.layer_types[:layers] if spec.layer_types else ()
         new = spec.with_(num_layers=layers, layer_types=types)
-    out = profile_from_spec(new, name=profile.name, native=profile.native, source=profile.source)
+    out = profile_from_spec(new, name=profile.name, native=profile.native, source=profile.source,
+                            vision=profile.vision)
     return out if profile.stored is None else type(out)(**{**out.__dict__, "stored": profile.stored})
 
 

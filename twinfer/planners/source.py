@@ -7,9 +7,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from twinfer.planners import catalog
+from twinfer.planners import catalog, vision
 from twinfer.planners.formats import FORMATS, GGML_TYPES, Mix
 from twinfer.planners.model import ModelProfile
+from twinfer.planners.vision import VisionProfile
 from twinfer.runtime.errors import PlanError
 
 _ATTN_V = {"v", "v_bias"}
@@ -80,8 +81,19 @@ def profile_from_loaded(loaded: Any, name: str = "") -> ModelProfile:
     spec = loaded.spec
     return ModelProfile(
         name=name or spec.name or Path(str(loaded.path)).name, spec=spec, params=tuple(params.items()),
-        native="stored", stored=mix, source=f"{loaded.format} file {loaded.path}",
+        native="stored", stored=mix, source=f"{loaded.format} file {loaded.path}", vision=_vision_of(loaded),
     )
+
+
+def _vision_of(loaded: Any) -> VisionProfile | None:
+    """A checkpoint's own vision tensors, or the llama.cpp projector file beside a GGUF model."""
+    path = Path(str(loaded.path))
+    if loaded.format == "hf":
+        return vision.from_checkpoint(path, loaded.metadata)
+    if loaded.format == "gguf":
+        mmproj = vision.mmproj_beside(path)
+        return vision.from_mmproj(mmproj) if mmproj else None
+    return None
 
 
 def _file_type(loaded: Any) -> str:
