@@ -30,6 +30,7 @@ class StepContext(Protocol):
     """Per-step device state a backend builds from a StepBatch; model code passes it through unread."""
 
     tokens: Array  # [T] int token ids on the device
+    images: list[tuple[int, Array]]  # (first row in T, features [n, C]) of each image the step covers
 
 
 class Ops(Protocol):
@@ -88,8 +89,14 @@ class Ops(Protocol):
     ) -> Array:
         """Store k, v [T, Hkv, D] in layer's KV cache, then attend causally: q [T, H, D] -> [T, H, D].
         k and v None: attend over the cache as earlier layers left it (`ModelSpec.kv_source`). Each query
-        sees its sequence's keys up to its position, within the layer's window; `sinks` [H] join every
-        softmax's denominator (gpt-oss)."""
+        sees its sequence's keys up to its position, within the layer's window, and the positions of one
+        bidirectional image (`ChunkImage`) see each other both ways; `sinks` [H] join every softmax's
+        denominator (gpt-oss)."""
+        ...
+
+    def encoder_attention(self, q: Array, k: Array, v: Array, scale: float) -> Array:
+        """Every query attends to every key, with no cache and no mask (a vision encoder's layers):
+        q, k, v [T, H, D] -> [T, H, D]."""
         ...
 
     def latent_attention(

@@ -19,6 +19,7 @@ from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.ops import ExpertExtras, selected
 from twinfer.runtime.rope import attention_factor, inv_freq
 from twinfer.runtime.spec import LINEAR, SIGMOID, ModelSpec, MoESpec
+from twinfer.runtime.vision.rows import bidirectional_spans, feature_rows
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class TorchStep:
     block_tables: torch.Tensor | None = None  # [B, W] int32 KV block ids, 0 where padded
     context_lens: torch.Tensor | None = None  # [B] int32 positions each query attends to (its own included)
     state: Any = None  # the recurrent-state slots of the batch (recurrent.StateStep), for LINEAR layers
+    images: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first row, features [n, C])
+    image_spans: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, Tq] key positions [lo, hi) seen both ways
 
 
 class TorchOps:
@@ -143,6 +146,7 @@ class TorchOps:
             return torch.as_tensor(np.asarray(a)).to(dev, non_blocking=True)
 
         tables = lens = None
+        spans = bidirectional_spans(batch, Tq)
         if self._decode_kernel_applies(batch):
             block_tables, context_lens = self._paged_inputs(batch, table_width)
             tables, lens = up(block_tables), up(context_lens)
@@ -158,6 +162,8 @@ class TorchOps:
             q_pos=up(q_pos),
             kv_slots=up(kv_slots),
             rows=up(np.asarray(batch.logit_token_index(), dtype=np.int64)),
+            images=feature_rows(batch),
+            image_spans=None if spans is None else (up(spans[0]), up(spans[1])),
         )
 
     def decode_inputs(self, batch: StepBatch, table_width: int) -> dict[str, np.ndarray]:
@@ -299,6 +305,10 @@ class TorchOps:
         )  # [B, H, Tq, D]
         return out.transpose(1, 2)[ctx.q_valid]  # [T, H, D]
 
+    def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        Q, K, V = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, T, D]
+        return F.scaled_dot_product_attention(Q, K, V, scale=scale)[0].transpose(0, 1)  # [T, H, D]
+
     def _sink_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: TorchStep, layer: int,
                         sinks: torch.Tensor) -> torch.Tensor:
         """Attention whose softmax also counts one learned logit per head (`sinks` [H]) that attends to nothing."""
@@ -362,6 +372,9 @@ class TorchOps:
             kpos = torch.arange(L, device=self.device)[None, None, :]  # [1, 1, L]
             qpos = ctx.q_pos[:, :, None]  # [B, Tq, 1]
             mask = kpos <= qpos
+            if ctx.image_spans is not None:  # a bidirectional image's positions also see the ones after them
+                lo, hi = ctx.image_spans
+                mask |= (kpos >= lo[:, :, None]) & (kpos < hi[:, :, None])
             if window is not None:
                 mask &= kpos > qpos - window
             ctx.cache[key] = mask[:, None]

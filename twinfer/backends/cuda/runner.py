@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from twinfer.backends.cuda.formats import convert_weight, native_weight_format
-from twinfer.backends.cuda.graphs import TorchRunner
+from twinfer.backends.cuda.graphs import TorchRunner, ops_protocol
 from twinfer.backends.cuda.kv_port import TorchKVPort
 from twinfer.backends.cuda.ops import TorchOps
 from twinfer.runtime.kv.recurrent import DRAFT_ROLLBACK
@@ -55,8 +55,13 @@ class TorchOptions:
 
 def load_torch_runner(loaded: LoadedModel, options: TorchOptions | None = None, **fields: Any) -> TorchRunner:
     """`build_torch_runner` (same options) for a model from `runtime.loaders.load_model`: its weight set
-    is the mapping, so each weight is read from the file and moved to the device one at a time."""
-    return build_torch_runner(loaded.spec, loaded.weights, options, **fields)
+    is the mapping, so each weight is read from the file and moved to the device one at a time. A checkpoint
+    with a vision tower gets it as `runner.vision`, on the runner's device and dtype."""
+    from twinfer.runtime.vision.towers import open_vision
+
+    runner = build_torch_runner(loaded.spec, loaded.weights, options, **fields)
+    runner.vision = open_vision(loaded, ops_protocol(runner.torch_ops))
+    return runner
 
 
 def build_torch_runner(spec: ModelSpec, weights: Mapping[str, Any], options: TorchOptions | None = None,

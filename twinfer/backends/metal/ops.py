@@ -24,6 +24,7 @@ from twinfer.runtime.batch import StepBatch
 from twinfer.runtime.ops import ExpertExtras, selected
 from twinfer.runtime.rope import attention_factor, inv_freq
 from twinfer.runtime.spec import LINEAR, SIGMOID, ModelSpec, MoESpec
+from twinfer.runtime.vision.rows import bidirectional_spans, feature_rows
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -56,6 +57,8 @@ class MlxStep:
     rows: mx.array  # [R] index into T of the rows that need logits
     cache: dict[Any, mx.array] = field(default_factory=dict)  # masks and rope tables, per step
     state: Any = None  # the recurrent-state slots of the batch (recurrent.MlxStateStep), for LINEAR layers
+    images: list[tuple[int, mx.array]] = field(default_factory=list)  # (first row, features [n, C])
+    image_spans: tuple[mx.array, mx.array] | None = None  # [B, Tq] key positions [lo, hi) seen both ways
 
 
 class MlxOps:
@@ -131,7 +134,10 @@ class MlxOps:
         def up(values: Any) -> mx.array:
             return mx.array(np.asarray(values, dtype=np.int32))
 
+        spans = bidirectional_spans(batch, Tq)
         return MlxStep(
+            images=feature_rows(batch),
+            image_spans=None if spans is None else (up(spans[0]), up(spans[1])),
             tokens=up(batch.token_ids()),
             positions=up(batch.positions()),
             slots=up(batch.slot_mapping(bs)),  # also checks that the block tables are long enough
@@ -242,6 +248,10 @@ class MlxOps:
         out = out.transpose(0, 2, 1, 3).reshape(B * Tq, H, D)  # [B * Tq, H, D]
         return mx.take(out, ctx.q_flat, axis=0)  # [T, H, D]
 
+    def encoder_attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        Q, K, V = (t.transpose(1, 0, 2)[None] for t in (q, k, v))  # [1, H, T, D]
+        return mx.fast.scaled_dot_product_attention(Q, K, V, scale=scale)[0].transpose(1, 0, 2)  # [T, H, D]
+
     def _store(self, layer: int, ctx: MlxStep, k: mx.array, v: mx.array | None) -> tuple[mx.array, mx.array]:
         """Write the step's keys (and values) into layer's cache; the caches after the write."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
@@ -314,6 +324,9 @@ class MlxOps:
             kpos = mx.arange(L, dtype=mx.int32)[None, None, :]  # [1, 1, L]
             qpos = ctx.q_pos[:, :, None]  # [B, Tq, 1]
             mask = kpos <= qpos
+            if ctx.image_spans is not None:  # a bidirectional image's positions also see the ones after them
+                lo, hi = ctx.image_spans
+                mask = mask | ((kpos >= lo[:, :, None]) & (kpos < hi[:, :, None]))
             if window is not None:
                 mask = mask & (kpos > qpos - window)
             ctx.cache[key] = mask[:, None]

@@ -29,9 +29,14 @@ def load_mlx_runner(
 ) -> OpsRunner:
     """An MLX runner for a model from `runtime.loaders.load_model`, with a paged KV cache of
     `kv_tokens` positions in blocks of `block_size`. Weights are converted one at a time.
-    `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant."""
+    `kv_format` ("tq4", "tq2.5", "tq3-qjl"; None: dense) codes the KV cache with TurboQuant. A checkpoint
+    with a vision tower gets it as `runner.vision`, in the runner's dtype."""
+    from twinfer.runtime.vision.towers import open_vision
+
     w = loaded.weights
-    return _build(loaded.spec, w.names(), w.__getitem__, kv_tokens, block_size, dtype, kv_format)  # packed where kept
+    runner = _build(loaded.spec, w.names(), w.__getitem__, kv_tokens, block_size, dtype, kv_format)  # packed where kept
+    runner.vision = open_vision(loaded, runner.ops)
+    return runner
 
 
 def build_mlx_runner(

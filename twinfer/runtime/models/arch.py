@@ -10,9 +10,13 @@ from typing import TYPE_CHECKING, Any
 from twinfer.runtime.loaders.names import NameTable
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from twinfer.runtime.loaders.gguf_file import GGUFKeys
     from twinfer.runtime.models.base import Model
+    from twinfer.runtime.ops import Ops
     from twinfer.runtime.spec import ModelSpec
+    from twinfer.runtime.vision import VisionTower
 
 Fields = dict[str, Any]
 """ModelSpec keyword arguments being built by a loader."""
@@ -35,3 +39,5 @@ class Architecture:
     hf_skip: Callable[[dict[str, Any]], tuple[str, ...]] | None = None  # tensor-name prefixes left unread
     hf_quant_methods: tuple[str, ...] = ()  # published `quantization_config.quant_method`s its table reads
     chat_template: str | None = None  # for model files that carry none (Gemma 3 GGUFs)
+    # (folder, config.json, spec, a backend's Ops) -> the checkpoint's vision tower; None where it has none
+    vision: Callable[[Path, dict[str, Any], ModelSpec, Ops], VisionTower | None] | None = None

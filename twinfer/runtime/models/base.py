@@ -72,7 +72,10 @@ class Model:
 
     def embed(self, ops: Ops, w: Weights, ctx: StepContext) -> Array:
         x = ops.embedding(w["embed"], ctx.tokens)
-        return x * (self.spec.hidden_size**0.5) if self.spec.embed_scale else x
+        x = x * (self.spec.hidden_size**0.5) if self.spec.embed_scale else x
+        for row, features in ctx.images:  # image features replace their placeholders' rows, unscaled
+            x[row : row + features.shape[0]] = features
+        return x
 
     def block(self, ops: Ops, w: Weights, p: str, layer: int, x: Array, ctx: StepContext) -> Array:
         eps = self.spec.rms_norm_eps

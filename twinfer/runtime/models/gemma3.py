@@ -4,7 +4,8 @@ the `1 +` in; llama.cpp's converter already did)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,7 +16,10 @@ from twinfer.runtime.models.base import Model as _Decoder
 from twinfer.runtime.models.base import Shapes, Weights
 from twinfer.runtime.models.common import GGUF_DECODER, GGUF_QK_NORM, L
 from twinfer.runtime.ops import Array, Ops, StepContext
-from twinfer.runtime.spec import FULL, SLIDING
+from twinfer.runtime.spec import FULL, SLIDING, ModelSpec
+
+if TYPE_CHECKING:
+    from twinfer.runtime.vision import VisionTower
 
 SWA_PATTERN = 6  # every 6th layer is global (transformers' default, llama.cpp `set_swa_pattern(6)`)
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp: the local layers' rope base
@@ -146,6 +150,13 @@ CHAT_TEMPLATE = """{{ bos_token }}
 """
 
 
+def open_vision(folder: Path, config: dict[str, Any], spec: ModelSpec, ops: Ops) -> VisionTower | None:
+    """The SigLIP tower and projector of a Gemma3ForConditionalGeneration checkpoint (runtime/vision/gemma3.py)."""
+    from twinfer.runtime.vision.gemma3 import open_gemma3_vision
+
+    return open_gemma3_vision(folder, config, spec, ops)
+
+
 ARCH = Architecture(
     name="gemma3",
     model=Model,
@@ -162,4 +173,5 @@ ARCH = Architecture(
     hf_spec=hf_spec,
     gguf_spec=gguf_spec,
     chat_template=CHAT_TEMPLATE,
+    vision=open_vision,
 )
