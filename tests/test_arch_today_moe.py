@@ -461,12 +461,12 @@ def test_minimax_m2_parallel_matches_single_process(case: str, config: str) -> N
     assert got_rows.shape == want_rows.shape and err <= PARALLEL_TOL and got_tokens == want_tokens
 
 
-def test_an_image_in_a_request_is_refused_saying_images_are_not_supported() -> None:
-    """Kimi K2.5 runs as its text model: a request with an image gets a clear message, not a template error."""
+def test_an_undecoded_image_part_is_refused_saying_how_images_arrive() -> None:
+    """An image part the server did not decode gets a clear message, not a template error."""
     from twinfer.runtime.errors import RequestError
     from twinfer.runtime.tokenizer.chat import validate_messages
 
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    with pytest.raises(RequestError, match=r"messages\[0\]\.content\[1\] has type 'image_url': images, audio and video are not supported yet"):
+    with pytest.raises(RequestError, match=r"messages\[0\]\.content\[1\] has type 'image_url': audio and video are not supported, and images"):
         validate_messages([{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}])
     assert validate_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])[0]["content"] == "hi"

@@ -78,7 +78,7 @@ class ImageRunner(Runner):
         for c in batch.chunks:
             tokens = list(c.tokens)
             for im in c.images:
-                assert 0 <= im.offset and im.offset + im.rows <= len(tokens), "features outside the chunk"
+                assert im.offset >= 0 and im.offset + im.rows <= len(tokens), "features outside the chunk"
                 assert all(t == PAD for t in tokens[im.offset : im.offset + im.rows]), "features over text"
                 if im.bidirectional:
                     assert im.rows == self.tower.length, "a bidirectional image was split across chunks"
@@ -237,3 +237,56 @@ def test_key_ids_and_boundaries() -> None:
     assert whole_image_prefix([a, b], 2, 4) == 0 and whole_image_prefix([a, b], 4, 4) == 4
     assert whole_image_prefix([a, b], 5, 4) == 5  # 20: the second image starts there
     assert whole_image_prefix([ImageSpan(2, 4, a.image), ImageSpan(6, 4, b.image)], 2, 4) == 0  # two back-offs
+
+
+# -- end to end: the tiny Gemma 3 vision checkpoint against transformers ------------------------------
+IMAGE_CHAT = "<bos><start_of_turn>user\nLook:\n<start_of_image>what is it?<end_of_turn>\n<start_of_turn>model\n"
+
+
+@cache
+def gemma3_engine_parts() -> tuple[Any, Any]:
+    import tempfile
+    from pathlib import Path
+
+    from vision_models import save_tiny_gemma3_vision
+
+    from twinfer.backends.cuda.runner import load_torch_runner
+    from twinfer.runtime.loaders import load_model
+    from twinfer.runtime.tokenizer import load_tokenizer
+
+    folder = save_tiny_gemma3_vision(Path(tempfile.mkdtemp(prefix="twinfer-images-")) / "gemma3-vision")
+    runner = load_torch_runner(load_model(folder), kv_tokens=64 * 4, block_size=4)
+    return runner, load_tokenizer(folder)
+
+
+def transformers_greedy(tokens: list[int], pixels: np.ndarray, steps: int) -> list[int]:
+    """transformers' greedy continuation (full forward per token; image tokens attend both ways)."""
+    from vision_models import IMAGE_TOKEN, gemma3_pixel_values, tiny_gemma3_vision
+
+    ids = torch.tensor([tokens])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = tiny_gemma3_vision()(input_ids=ids, pixel_values=gemma3_pixel_values(pixels),
+                                          token_type_ids=(ids == IMAGE_TOKEN).long()).logits
+            out.append(int(logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+    return out
+
+
+def test_gemma3_images_change_the_output_as_in_transformers_and_reuse_kv() -> None:
+    from vision_models import random_pixels
+
+    runner, tokenizer = gemma3_engine_parts()
+    e = Engine(runner, tokenizer, EngineConfig(max_prefill_chunk=8, max_batch_tokens=32))
+    prompt = tokenizer.encode(IMAGE_CHAT, add_special_tokens=False)
+    pixels = {seed: random_pixels(seed, 40, 30) for seed in (1, 2)}
+    outs = {seed: run(e, prompt, [Image(p)]) for seed, p in pixels.items()}
+    expanded = e.requests[outs[1].request_id].prompt
+    for seed, out in outs.items():
+        assert out.token_ids == transformers_greedy(expanded, pixels[seed], len(out.token_ids))
+    assert outs[1].token_ids != outs[2].token_ids  # transformers' differ too (checked above)
+    assert outs[2].cached_tokens <= e.requests[outs[1].request_id].images[0].start  # text before the image only
+    again = run(e, prompt, [Image(pixels[1].copy())])
+    assert again.cached_tokens >= e.requests[outs[1].request_id].images[0].end  # the image's KV reused
+    assert again.token_ids == outs[1].token_ids

@@ -253,6 +253,13 @@ def serve(
         "--batch-wait-ms", help="When idle, keep taking requests that arrive less than this far apart (at most 4x it "
         "in all) so a burst prefills in one step (default: a tenth of a request's last start from idle, at most "
         "50 ms); 0: start on the first at once.")] = None,
+    fetch_image_urls: Annotated[bool, typer.Option(
+        "--fetch-image-urls", help="Fetch http(s) image URLs that requests name (10 s and --max-image-mb each); "
+        "off: only inline base64 images. The server then reaches any address a client names: trusted clients "
+        "only.")] = False,
+    max_images: Annotated[int, typer.Option("--max-images", help="Image parts one request may carry.")] = 8,
+    max_image_mb: Annotated[float, typer.Option("--max-image-mb", help="Largest encoded image accepted (413 above); "
+                                                "inline images also count against --max-body-mb.")] = 10.0,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.app import OpenOptions
@@ -265,7 +272,8 @@ def serve(
         open_options, host=host, port=port, api_key=api_key, max_queue=max_queue, served_model_name=served_model_name,
         drain_timeout=drain_timeout, max_body_mb=max_body_mb, log_level=log_level, repetition_guard=repetition_guard,
         loop_guard=loop_guard, guard_retries=guard_retries, kv_events=kv_events, replica_name=replica_name,
-        kv_connector=kv_connector, kv_host=kv_host, max_batch_tokens=max_batch_tokens, batch_wait_ms=batch_wait_ms))
+        kv_connector=kv_connector, kv_host=kv_host, max_batch_tokens=max_batch_tokens, batch_wait_ms=batch_wait_ms,
+        fetch_image_urls=fetch_image_urls, max_images=max_images, max_image_mb=max_image_mb))
 
 
 @app.command()

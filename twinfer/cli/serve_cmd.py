@@ -42,9 +42,14 @@ class ServeOptions:
     kv_host: str = "127.0.0.1"
     max_batch_tokens: int | None = None
     batch_wait_ms: float | None = None
+    fetch_image_urls: bool = False  # fetch http(s) image URLs (else only inline base64 images)
+    max_images: int = 8  # image parts per request
+    max_image_mb: float = 10.0  # one encoded image
 
     def __post_init__(self) -> None:
         checks = (
+            ("max_images", self.max_images >= 1, f"need --max-images >= 1, got {self.max_images}"),
+            ("max_image_mb", self.max_image_mb > 0, f"need --max-image-mb > 0, got {self.max_image_mb}"),
             ("max_queue", self.max_queue >= 0, f"need --max-queue >= 0, got {self.max_queue}"),
             ("max_body_mb", self.max_body_mb > 0, f"need --max-body-mb > 0, got {self.max_body_mb}"),
             ("batch_wait_ms", self.batch_wait_ms is None or 0 <= self.batch_wait_ms <= 1000,
@@ -68,6 +73,7 @@ class ServeOptions:
 def run_serve(options: ServeOptions) -> None:
     from twinfer.runtime.engine import GuardConfig
     from twinfer.server import create_app
+    from twinfer.server.images import ImageLimits
     from twinfer.server.serve import make_server
 
     o = options
@@ -80,8 +86,10 @@ def run_serve(options: ServeOptions) -> None:
     # never preempts a compute thread mid-step.
     aliases = tuple(a for a in (o.open.model,) if a and a != o.name)
     guard = GuardConfig(enabled=o.loop_guard and o.repetition_guard == "on", retries=o.guard_retries)
+    images = ImageLimits(max_images=o.max_images, max_bytes=int(o.max_image_mb * 1024 * 1024),
+                         fetch_urls=o.fetch_image_urls)
     app = create_app(None, None, o.name, api_key=o.api_key or None, aliases=aliases,
-                     max_body_bytes=int(o.max_body_mb * 1024 * 1024), guard=guard)
+                     max_body_bytes=int(o.max_body_mb * 1024 * 1024), guard=guard, images=images)
     state = app.state.twinfer
     server = make_server(app, o.host, o.port, grace_s=o.drain_timeout, log_level=o.log_level)
     if o.host not in LOOPBACK and not o.api_key:

@@ -53,7 +53,7 @@ class MissingPackage(TwinferError):
 # The extra of twinfer's pyproject that brings each optional module, and the pip name where it differs.
 EXTRAS = {"torch": ("cuda", "torch"), "triton": ("cuda", "triton"), "mlx": ("metal", "mlx"),
           "transformers": ("reference", "transformers"), "accelerate": ("reference", "accelerate"),
-          "llama_cpp": (None, "llama-cpp-python"), "llguidance": (None, "llguidance")}
+          "llama_cpp": (None, "llama-cpp-python"), "llguidance": (None, "llguidance"), "PIL": (None, "pillow")}
 
 
 def require(purpose: str, *modules: str) -> None:

@@ -19,6 +19,7 @@ from twinfer.runtime.engine.async_engine import EngineDead
 from twinfer.server import prompts
 from twinfer.server.errors import APIError
 from twinfer.server.handlers import SSE_HEADERS, collect, tool_plan
+from twinfer.server.images import image_part
 from twinfer.server.knobs import Knobs
 from twinfer.server.responses import Follower, sse
 from twinfer.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
@@ -88,11 +89,14 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
 def _turn(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
-    texts, calls, results = [], [], []
+    texts, calls, results, parts = [], [], [], []  # parts: text and image parts in order
     for j, b in enumerate(m.content):
         kind = b.get("type")
         if kind == "text" and isinstance(b.get("text"), str):
             texts.append(b["text"])
+            parts.append({"type": "text", "text": b["text"]})
+        elif kind == "image" and m.role == "user":
+            parts.append(image_part(_image_url(b.get("source"), f"{where}[{j}]"), f"{where}[{j}]"))
         elif kind == "tool_use" and m.role == "assistant":
             calls.append({"id": b.get("id"), "type": "function",
                           "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
@@ -103,14 +107,27 @@ def _turn(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
-            raise APIError(400, f"{where}[{j}] has type {kind!r}; this server takes text, tool_use (assistant) and "
-                           "tool_result (user) blocks", param=where)
+            raise APIError(400, f"{where}[{j}] has type {kind!r}; this server takes text, image (user), tool_use "
+                           "(assistant) and tool_result (user) blocks", param=where)
     turns: list[dict[str, Any]] = list(results)
     if calls:
         turns.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
+    elif len(parts) > len(texts):  # images: the parts in order, for the template
+        turns.append({"role": m.role, "content": parts})
     elif texts or not results:
         turns.append({"role": m.role, "content": "\n".join(texts)})
     return turns
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as a URL: base64 data becomes a data: URL."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise APIError(400, f"{where}: an image block needs source {{'type': 'base64', 'media_type', 'data'}} (or "
+                   f"'url' where the server fetches them), got {kind!r}", param=where, code="invalid_image")
 
 
 def openai_tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any]:
@@ -152,12 +169,12 @@ def _output_format(config: dict[str, Any] | None) -> Constraint | None:
 
 
 async def count_tokens(state: ServerState, body: CountTokensRequest) -> dict[str, Any]:
-    _, tokenizer = state.ready()
+    engine, tokenizer = state.ready()
     state.check_model(body.model)
     tools, (choice, parallel) = openai_tools(body)
     plan = tool_plan(tools, choice, parallel, tokenizer, None)
-    ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
-    return {"input_tokens": len(ids)}
+    _, _, length = await prompts.chat_input(engine, tokenizer, body, plan, chat_messages(body), state.images)
+    return {"input_tokens": length}
 
 
 async def messages(state: ServerState, request: Request, body: MessagesRequest) -> Response:
@@ -167,13 +184,14 @@ async def messages(state: ServerState, request: Request, body: MessagesRequest) 
     tools, (choice, parallel) = openai_tools(body)
     constraint = _output_format(body.output_config)
     plan = tool_plan(tools, choice, parallel, tokenizer, constraint)
-    ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
+    ids, images, prompt_len = await prompts.chat_input(engine, tokenizer, body, plan, chat_messages(body),
+                                                       state.images)
     knobs = Knobs(body.max_tokens, body.temperature, body.top_p, body.top_k, list(body.stop_sequences or []),
                   repetition_guard=body.repetition_guard)
-    params = prompts.sampling_params(knobs, len(ids), engine.max_context, engine.vocab_size, state.guard,
+    params = prompts.sampling_params(knobs, prompt_len, engine.max_context, engine.vocab_size, state.guard,
                                      plan.constraint or constraint)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    choices = await submit(engine, ids, params, 1, message_id, 0)
+    choices = await submit(engine, ids, params, 1, message_id, 0, images)
     f = Follower(message_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())
     f.cancel = choices[0].cancel
     if body.stream:

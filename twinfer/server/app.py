@@ -19,6 +19,7 @@ from twinfer.runtime.engine.async_engine import AsyncEngine
 from twinfer.runtime.engine.params import GuardConfig
 from twinfer.server import anthropic, handlers, responses_api, tokens
 from twinfer.server.errors import APIError, from_validation
+from twinfer.server.images import ImageLimits
 from twinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from twinfer.server.middleware import CountRequests, LimitBody, RequireApiKey
 from twinfer.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,8 +32,9 @@ class ServerState:
     """What one app serves and whether it can: the engine (None while loading), drain state, metrics."""
 
     def __init__(self, engine: AsyncEngine | None, tokenizer: Any, model_name: str, aliases: tuple[str, ...],
-                 guard: GuardConfig):
+                 guard: GuardConfig, images: ImageLimits | None = None):
         self.engine = engine
+        self.images = images or ImageLimits()  # what image parts may be (server/images.py)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.names = {model_name, *aliases}
@@ -94,10 +96,11 @@ class ServerState:
 
 def create_app(async_engine: AsyncEngine | None, tokenizer: Any, model_name: str, api_key: str | None = None, *,
                aliases: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               guard: GuardConfig | None = None) -> FastAPI:
+               guard: GuardConfig | None = None, images: ImageLimits | None = None) -> FastAPI:
     """The server app. `async_engine` may be None while the model loads (`state.attach` it later);
-    the caller starts and stops the engine. `guard` is the loop guard applied to every request."""
-    state = ServerState(async_engine, tokenizer, model_name, aliases, guard or GuardConfig())
+    the caller starts and stops the engine. `guard` is the loop guard applied to every request; `images`
+    what image parts it accepts."""
+    state = ServerState(async_engine, tokenizer, model_name, aliases, guard or GuardConfig(), images)
     app = FastAPI(title="twinfer", summary="OpenAI-compatible inference server", version="1")
     app.state.twinfer = state
 

@@ -41,17 +41,20 @@ async def generation(state: ServerState, request: Request, body: ChatCompletionR
     constraint = constraint_of(body)
     plan = ToolPlan.none()
     echo, echo_ids = "", None
+    images: list[Any] = []
     if isinstance(body, ChatCompletionRequest):
         plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer, constraint)
-        ids = await prompts.chat_prompt(tokenizer, body, plan)
+        ids, images, prompt_len = await prompts.chat_input(engine, tokenizer, body, plan,
+                                                           prompts.openai_messages(body), state.images)
         constraint = plan.constraint or constraint
     else:
         ids = await prompts.completion_prompt(tokenizer, body, engine.vocab_size)
+        prompt_len = len(ids)
         echo = await asyncio.to_thread(tokenizer.decode, ids, True) if body.echo else ""
         echo_ids = ids if body.echo and body.logprobs is not None else None
-    params = prompts.sampling_params(body, len(ids), engine.max_context, engine.vocab_size, state.guard, constraint)
+    params = prompts.sampling_params(body, prompt_len, engine.max_context, engine.vocab_size, state.guard, constraint)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    choices = await submit(engine, ids, params, body.n, request_id, body.priority)
+    choices = await submit(engine, ids, params, body.n, request_id, body.priority, images)
     echoed = Echo(echo, echo_ids, prompts.scores_prompt_only(body))
     followers = [Follower(request_id, state.model_name, chat, tokenizer, state.metrics, arrival, i,
                           plan.parser(), echoed) for i in range(body.n)]

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinfer.runtime.constraints.spec import Constraint
 from twinfer.runtime.engine.params import GuardConfig, SamplingParams
 from twinfer.runtime.errors import ModelError, RequestError
 from twinfer.runtime.tokenizer.harmony import render_harmony
+from twinfer.runtime.vision import Image
 from twinfer.server.errors import APIError
+from twinfer.server.images import ImageLimits, take_images
 from twinfer.server.protocol import CompletionRequest
 from twinfer.server.tools.plan import ToolPlan
+
+if TYPE_CHECKING:
+    from twinfer.runtime.engine.async_engine import AsyncEngine
 
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
 MAX_STOP_STRINGS = 16
@@ -27,12 +32,7 @@ async def chat_prompt(tokenizer: Any, req: Any, plan: ToolPlan | None = None,
     """The messages (default: the request's) rendered with the model's chat template, as token ids;
     `plan` adds the tools (to the template, or to the messages in the generic form)."""
     if messages is None:
-        messages = []
-        for m in req.messages:
-            d = m.model_dump(exclude_none=True)
-            if d["role"] == "developer":  # OpenAI's newer name for the system role
-                d["role"] = "system"
-            messages.append(d)
+        messages = openai_messages(req)
     extra = {k: v for k, v in (getattr(req, "chat_template_kwargs", None) or {}).items() if k not in _TEMPLATE_RESERVED}
     if plan is not None and plan.rewrite is not None:
         messages = plan.rewrite(messages)
@@ -49,6 +49,29 @@ async def chat_prompt(tokenizer: Any, req: Any, plan: ToolPlan | None = None,
         raise APIError(400, str(e), param="messages") from e
     except ModelError as e:
         raise APIError(500, f"the model's chat template cannot be used: {e}", "server_error") from e
+
+
+def openai_messages(req: Any) -> list[dict[str, Any]]:
+    """A chat request's messages as plain dicts, the developer role as system."""
+    messages = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":  # OpenAI's newer name for the system role
+            d["role"] = "system"
+        messages.append(d)
+    return messages
+
+
+async def chat_input(engine: AsyncEngine, tokenizer: Any, req: Any, plan: ToolPlan | None,
+                     messages: list[dict[str, Any]], limits: ImageLimits) -> tuple[list[int], list[Image], int]:
+    """`chat_prompt` for messages that may carry images: the ids, the decoded images (server/images.py)
+    and the prompt's length once the images' placeholders expand."""
+    messages, images = await take_images(messages, limits, engine.reads_images)
+    ids = await chat_prompt(tokenizer, req, plan, messages)
+    try:
+        return ids, images, engine.prompt_length(ids, images)
+    except RequestError as e:
+        raise APIError(400, f"the images do not match the rendered prompt: {e}", param="messages") from e
 
 
 async def completion_prompt(tokenizer: Any, req: CompletionRequest, vocab_size: int) -> list[int]:

@@ -52,6 +52,7 @@ class Follower:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.image_tokens = 0  # prompt positions image features fill
         self.cost: dict[str, Any] | None = None  # the engine's bill, once finished
         self.kv_transfer_params: dict[str, Any] | None = None
         self.first_token: float | None = None
@@ -83,6 +84,7 @@ class Follower:
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.image_tokens = out.image_tokens
         if out.finished:
             self.kv_transfer_params = out.kv_transfer_params
             self.cost = with_server_time(out.cost, (now - self.arrival) * 1000.0) if out.cost else None
@@ -273,6 +275,8 @@ def usage(followers: list[Follower]) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
                            "total_tokens": first.prompt_tokens + completion,
                            "prompt_tokens_details": {"cached_tokens": max(f.cached_tokens for f in followers)}}
+    if first.image_tokens:
+        out["prompt_tokens_details"]["image_tokens"] = first.image_tokens
     costs = [f.cost for f in followers if f.cost is not None]
     if costs:
         out["cost"] = merge_costs(costs)

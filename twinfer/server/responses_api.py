@@ -16,6 +16,7 @@ from twinfer.runtime.engine.async_engine import EngineDead
 from twinfer.server import prompts
 from twinfer.server.errors import APIError, error_body
 from twinfer.server.handlers import SSE_HEADERS, collect, tool_plan
+from twinfer.server.images import image_part
 from twinfer.server.knobs import Knobs
 from twinfer.server.responses import Follower, sse
 from twinfer.server.streams import Choice, abort_on_disconnect, close_all, merged, submit
@@ -57,15 +58,25 @@ class _Structured:
             self.response_format = _Format(type=str(fmt.get("type")), **extra)
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """The text of a message; with input_image parts, the text and image parts in order."""
     if isinstance(content, str):
         return content
-    parts = []
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content or []):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            raise APIError(400, f"{where}[{j}] must be an input_text part", param=where)
-        parts.append(str(part.get("text", "")))
-    return "\n".join(parts)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            if part.get("image_url") is None:
+                raise APIError(400, f"{where}[{j}]: input_image needs image_url (a data: URL); file_id is not "
+                               "served", param=f"{where}[{j}]", code="invalid_image")
+            parts.append(image_part(part["image_url"], f"{where}[{j}]"))
+            continue
+        if kind not in ("input_text", "output_text", "text"):
+            raise APIError(400, f"{where}[{j}] must be an input_text or input_image part", param=where)
+        texts.append(str(part.get("text", "")))
+        parts.append({"type": "text", "text": texts[-1]})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -127,12 +138,13 @@ async def create(state: ServerState, request: Request, body: ResponsesRequest) -
     constraint = constraint_of(_Structured((body.text or {}).get("format")))
     plan = tool_plan(_chat_tools(body.tools), _tool_choice(body.tool_choice), body.parallel_tool_calls, tokenizer,
                      constraint)
-    ids = await prompts.chat_prompt(tokenizer, body, plan, chat_messages(body))
+    ids, images, prompt_len = await prompts.chat_input(engine, tokenizer, body, plan, chat_messages(body),
+                                                       state.images)
     knobs = Knobs(body.max_output_tokens, body.temperature, body.top_p, repetition_guard=body.repetition_guard)
-    params = prompts.sampling_params(knobs, len(ids), engine.max_context, engine.vocab_size, state.guard,
+    params = prompts.sampling_params(knobs, prompt_len, engine.max_context, engine.vocab_size, state.guard,
                                      plan.constraint or constraint)
     response_id = f"resp_{uuid.uuid4().hex}"
-    choices = await submit(engine, ids, params, 1, response_id, 0)
+    choices = await submit(engine, ids, params, 1, response_id, 0, images)
     f = Follower(response_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())
     f.cancel = choices[0].cancel
     if body.stream:

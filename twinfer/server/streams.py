@@ -18,6 +18,7 @@ from twinfer.runtime.engine.async_engine import AsyncEngine, EngineDead, Overloa
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.request import RequestOutput
 from twinfer.runtime.errors import RequestError
+from twinfer.runtime.vision import Image
 from twinfer.server.errors import APIError
 
 
@@ -47,10 +48,10 @@ class Choice:
 
 
 async def submit(engine: AsyncEngine, ids: list[int], params: SamplingParams, n: int, request_id: str,
-                 priority: int) -> list[Choice]:
+                 priority: int, images: Sequence[Image] = ()) -> list[Choice]:
     """The n choices of a request, submitted (APIError for refusals: 429, 503, 400)."""
     first = await _submit(engine.generate(ids, params, request_id=request_id if n == 1 else f"{request_id}-0",
-                                          priority=priority))
+                                          priority=priority, images=images))
     if n == 1:
         return [Choice(first)]
     try:
@@ -61,7 +62,8 @@ async def submit(engine: AsyncEngine, ids: list[int], params: SamplingParams, n:
     try:
         for i in range(1, n):
             seeded = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64)
-            stream = await _submit(engine.generate(ids, seeded, request_id=f"{request_id}-{i}", priority=priority))
+            stream = await _submit(engine.generate(ids, seeded, request_id=f"{request_id}-{i}", priority=priority,
+                                                   images=images))
             choices.append(Choice(stream))
     except BaseException:
         for c in choices:

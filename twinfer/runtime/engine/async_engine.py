@@ -175,6 +175,7 @@ class AsyncEngine:
         self.max_running = engine.scheduler.config.max_seqs
         self.max_context = engine.max_context
         self.vocab_size = engine.runner.spec.vocab_size
+        self._vision = engine.runner.vision  # expand() is pure: callers may run it on their own thread
         self._description = self._describe()  # read now: only the engine thread touches the runner later
         self._name = name
         self._inbox: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
@@ -258,6 +259,22 @@ class AsyncEngine:
     @property
     def guard_trips(self) -> int:
         return self.stats.guard_trips
+
+    @property
+    def reads_images(self) -> bool:
+        """Whether the model has a vision tower (requests may carry images)."""
+        return self._vision is not None
+
+    def prompt_length(self, ids: Sequence[int], images: Sequence[Image]) -> int:
+        """The prompt's length once its image markers expand (RequestError when they do not match)."""
+        if not images:
+            return len(ids)
+        if self._vision is None:
+            raise RequestError("this model reads no images: send text only")
+        try:
+            return len(self._vision.expand(list(ids), list(images))[0])
+        except ValueError as e:
+            raise RequestError(str(e)) from e
 
     # -- requests ------------------------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

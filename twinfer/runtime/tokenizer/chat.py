@@ -110,26 +110,31 @@ def _validate_message(i: int, message: Any) -> dict[str, Any]:
     return out
 
 
-def _content_text(where: str, content: Any) -> str:
+def _content_text(where: str, content: Any) -> str | list[dict[str, Any]]:
+    """Text parts joined into one string; with images, the list of text and {"type": "image"} parts (a
+    decoded image's place, which the template renders as the model's image marker)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, Sequence) or isinstance(content, bytes):
         raise RequestError(
             f"{where}.content must be a string or a list of text parts, got {type(content).__name__}"
         )
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") == "image":
+            parts.append({"type": "image"})
+            continue
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             if isinstance(kind, str) and _MEDIA & set(kind.split("_")):  # image_url, input_image, input_audio...
-                raise RequestError(f"{where}.content[{j}] has type {kind!r}: images, audio and video are not "
-                                   "supported yet (twinfer runs the text model of multimodal checkpoints); send "
-                                   "text parts")
+                raise RequestError(f"{where}.content[{j}] has type {kind!r}: audio and video are not supported, "
+                                   "and images reach the template decoded, as {'type': 'image'} parts")
             raise RequestError(f"{where}.content[{j}] has type {kind!r}; only text parts are supported")
         if not isinstance(part.get("text"), str):
             raise RequestError(f"{where}.content[{j}].text must be a string")
         texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def _validate_tool_calls(where: str, tool_calls: Any) -> list[dict[str, Any]]:
