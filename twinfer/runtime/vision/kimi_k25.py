@@ -153,7 +153,8 @@ def vision_names(cfg: KimiVisionConfig) -> NameTable:
     pairs = (("norm0", "norm1", "norm1"), ("norm1", "norm2", "norm2"), ("wo", "attn.proj", "o"),
              ("mlp.fc0", "mlp.fc1", "fc1"), ("mlp.fc1", "mlp.fc2", "fc2"),
              ("encoder.final_layernorm", "final_layernorm", "final_norm"),
-             ("pre_norm", "pre_norm", "proj_norm"), ("proj.0", "in_proj", "proj_in"), ("proj.2", "out_proj", "proj_out"))
+             ("pre_norm", "pre_norm", "proj_norm"), ("proj.0", "in_proj", "proj_in"),
+             ("proj.2", "out_proj", "proj_out"))
     for published, held, target in pairs:
         if target == "final_norm":
             sources = ("vision_tower." + published, "vision_tower." + held)
@@ -163,8 +164,8 @@ def vision_names(cfg: KimiVisionConfig) -> NameTable:
             sources, target = (L + published, M + held), "layers.{i}." + target
         for s in dict.fromkeys(sources):
             rules += [rule(s + ".weight", target), rule(s + ".bias", target + "_bias")]
-    aliases = (("model.vision_tower.", "vision_tower."), ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
-               ("model.mm_projector.", "mm_projector."))
+    aliases = (("model.vision_tower.", "vision_tower."), ("model.mm_projector.", "mm_projector."),
+               ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."))
     return NameTable("kimi_k25_vision", tuple(rules), aliases=aliases, transforms=_transforms(cfg))
 
 
@@ -295,12 +296,14 @@ class KimiVisionTower:
 
 def open_kimi_vision(folder: Path, config: dict[str, Any], spec: ModelSpec, ops: Ops) -> KimiVisionTower | None:
     """The tower of the Kimi K2.5 checkpoint in `folder` (`config`: its config.json) over `ops`, its weights
-    read one at a time onto the backend; None when the config names no vision tower."""
+    read one at a time onto the backend; None when the config names no vision tower or its image token
+    lies outside the vocabulary (no prompt can mark an image: the model reads text only)."""
     if not isinstance(config.get("vision_config"), dict):
         return None
     cfg = vision_config(config, read_processor(folder))
-    if cfg.text_hidden != spec.hidden_size or cfg.image_token_id >= spec.vocab_size:
-        raise ModelError(f"{folder}: the vision projector's width {cfg.text_hidden} or its image token "
-                         f"{cfg.image_token_id} does not fit the language model ({spec.hidden_size} wide, "
-                         f"{spec.vocab_size} tokens)")
+    if cfg.image_token_id >= spec.vocab_size:
+        return None
+    if cfg.text_hidden != spec.hidden_size:
+        raise ModelError(f"{folder}: the vision projector's width {cfg.text_hidden} does not fit the language "
+                         f"model's {spec.hidden_size}; fix config.json's text_config")
     return KimiVisionTower(cfg, ops, load_weights(folder, cfg, spec))

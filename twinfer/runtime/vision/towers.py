@@ -18,6 +18,6 @@ def open_vision(loaded: LoadedModel, ops: Ops) -> VisionTower | None:
     file, whose projector is a separate file)."""
     if loaded.format != "hf":
         return None
-    arch = architecture(loaded.spec.model_type)
+    arch = architecture(loaded.metadata.get("model_type"))  # the checkpoint's: a wrapper's, not its text model's
     opener = arch.vision if arch is not None else None
     return opener(loaded.path, loaded.metadata, loaded.spec, ops) if opener is not None else None
