@@ -13,6 +13,7 @@ from twinfer.runtime.loaders import LoadedModel, load_model
 from twinfer.runtime.model_path import resolve_path
 from twinfer.runtime.runner import Runner
 from twinfer.runtime.spec import ModelSpec
+from twinfer.runtime.vision.compose import Composition, attach_vision, read_composition
 
 if TYPE_CHECKING:
     from twinfer.backends.llamacpp.options import LlamaCppOptions, RunMode
@@ -23,7 +24,8 @@ KV_LAYOUTS = ("auto", "unified", "streams")  # llama.cpp's KV cache: auto picks 
 STREAMS_MEMORY_SHARE = 1 / 8  # auto takes streams while all of them fit in this share of the machine's memory
 _MODULES = {"llamacpp": "llama_cpp", "torch": "torch", "mlx": "mlx"}
 __all__ = ["BACKENDS", "KV_LAYOUTS", "OpenedModel", "RunnerOptions", "available", "check_kv_layout",
-           "build_in_memory", "choose_backend", "default_context", "open_loaded", "open_model", "open_runner", "resolve_path"]
+           "build_in_memory", "choose_backend", "default_context", "open_loaded", "open_model", "open_runner", "resolve_path",
+           "resolve_model"]
 _EXTRAS = {"llamacpp": "pip install llama-cpp-python", "torch": "pip install 'twinfer[cuda]'",
            "mlx": "pip install 'twinfer[metal]'"}
 
@@ -89,6 +91,7 @@ class RunnerOptions:
     parallel: tuple[int, int, int] = (1, 1, 1)  # (tp, ep, pp) on the torch backend
     expert_cache_bytes: int | None = None  # torch / MLX: routed experts streamed through a cache this size
     placement: Placement | None = None  # llama.cpp: a plan's GPU layers, host-memory experts and KV type
+    compose: Composition | None = None  # a vision encoder from another checkpoint (runtime/vision/compose.py)
 
     def __post_init__(self) -> None:
         from twinfer.backends.llamacpp.options import RUN_MODES  # no llama_cpp import: a table and a policy
@@ -114,10 +117,18 @@ class RunnerOptions:
                               field="placement")
 
 
-def open_model(model: str | None, backend: str = "auto", **options: Any) -> OpenedModel:
-    """Load `model` (None: the default) on `backend`; `options` are `RunnerOptions` fields."""
+def resolve_model(model: str | None) -> tuple[Path, Composition | None]:
+    """The model path a user means (None: the default); for a composition file, its language model's
+    folder and the composition, whose vision encoder the runner gets."""
     path = resolve_path(model)
-    o = RunnerOptions(backend=choose_backend(backend, path), **options)
+    composition = read_composition(path)
+    return (composition.language, composition) if composition else (path, None)
+
+
+def open_model(model: str | None, backend: str = "auto", **options: Any) -> OpenedModel:
+    """Load `model` (None: the default; a composition file) on `backend`; `options` are `RunnerOptions` fields."""
+    path, composition = resolve_model(model)
+    o = RunnerOptions(backend=choose_backend(backend, path), compose=composition, **options)
     if o.kv_layout != "unified":  # the default for callers that never ask; sessions checked theirs already
         check_kv_layout(o.kv_layout, str(path), o.backend)
     return open_loaded(path, load_model(path), o)  # validates the file; weights stay on disk until a runner reads them
@@ -132,7 +143,19 @@ def open_loaded(path: Path, loaded: LoadedModel, options: RunnerOptions) -> Open
 
 
 def open_runner(path: Path, loaded: LoadedModel, options: RunnerOptions) -> Runner:
-    """The one place the application builds a runner: each backend's from `options`."""
+    """The one place the application builds a runner: each backend's from `options`, with a composition's
+    vision encoder attached."""
+    runner = _backend_runner(path, loaded, options)
+    if options.compose is not None:
+        try:
+            attach_vision(runner, options.compose)
+        except BaseException:
+            getattr(runner, "close", lambda: None)()
+            raise
+    return runner
+
+
+def _backend_runner(path: Path, loaded: LoadedModel, options: RunnerOptions) -> Runner:
     o = replace(options, ctx=options.ctx or default_context(loaded))
     assert o.ctx is not None
     if o.backend == "llamacpp":
@@ -212,7 +235,7 @@ def check_kv_layout(kv_layout: str, model: str | None, backend: str, memory_budg
     if memory_budget is not None:
         raise OptionError("--memory-budget plans one shared KV cache of --ctx tokens: drop --kv-layout streams",
                           field="kv_layout")
-    chosen = choose_backend(backend, resolve_path(model))
+    chosen = choose_backend(backend, resolve_model(model)[0])
     if chosen != "llamacpp":
         raise OptionError(f"--kv-layout streams is a llama.cpp cache layout; the {chosen} runner keeps paged "
                           "KV blocks that each sequence owns already: drop --kv-layout streams", field="kv_layout")

@@ -15,7 +15,7 @@ from twinfer.app.models import (
     default_context,
     open_loaded,
     open_runner,
-    resolve_path,
+    resolve_model,
 )
 from twinfer.app.speculate import open_proposer
 from twinfer.runtime.engine import Engine, EngineConfig
@@ -23,6 +23,7 @@ from twinfer.runtime.errors import OptionError
 from twinfer.runtime.loaders import load_model
 from twinfer.runtime.speculative.options import parse_speculate
 from twinfer.runtime.speculative.proposer import Proposer
+from twinfer.runtime.vision.compose import check_width
 
 if TYPE_CHECKING:
     from twinfer.backends.llamacpp.options import RunMode
@@ -100,11 +101,13 @@ def open_session(options: OpenOptions) -> Session:
     """Resolve, plan under the budget, transform, open the runner and add the proposer: every face (and
     every torchrun worker) reaches a runner through here."""
     o = options
-    path = resolve_path(o.model)
+    path, composition = resolve_model(o.model)  # a composition file: its language model, and the encoder to attach
     backend = choose_backend(o.backend, path)
     loaded = load_model(path)  # validates the file and gives the spec; weights stay on disk until a runner reads them
+    if composition is not None:
+        check_width(composition, loaded.spec)  # before any weight is read
     ctx = o.ctx or default_context(loaded)
-    runner_options, strategy = o.runner_options(backend, ctx), None
+    runner_options, strategy = replace(o.runner_options(backend, ctx), compose=composition), None
     if o.memory_budget is not None:
         request = BudgetRequest(parse_budget(o.memory_budget), ctx, o.max_seqs, o.allow_pruning, o.threads, o.hardware,
                                 ctx_given=o.ctx is not None)

@@ -33,16 +33,14 @@ def _vit_layers(width: int, inter: int, layers: int) -> int:
 
 
 def _siglip(text_width: int) -> VisionProfile:
-    """Gemma 3's SigLIP (so400m: 27 x 1152, MLP 4304, 14-pixel patches of an 896-pixel image, no head) and
-    its projector (an RMSNorm and a 1152 x text-width matrix): mm_tokens_per_image 256."""
+    """SigLIP so400m (no head) at 896 pixels and its projector: an RMSNorm and one matrix; 256 tokens."""
     w, grid = 1152, 896 // 14
     tower = 3 * 14 * 14 * w + w + grid * grid * w + _vit_layers(w, 4304, 27) + 2 * w
     return VisionProfile(tower + w + w * text_width, 256, source="SigLIP so400m encoder + projector")
 
 
 def _qwen35_vision(text_width: int) -> VisionProfile:
-    """Qwen3.5's tower (27 x 1152, MLP 4304, 16-pixel patches over 2 frames, 2304 learned positions) and
-    its 2 x 2 patch merger to the text width; tokens for a REFERENCE_IMAGE_SIDE image."""
+    """Qwen3.5's tower (16-pixel patches over 2 frames, 2304 positions) and its 2 x 2 patch merger."""
     w, merged = 1152, 4 * 1152
     tower = 3 * 2 * 16 * 16 * w + w + 2304 * w + _vit_layers(w, 4304, 27)
     merger = 2 * w + merged * merged + merged + merged * text_width + text_width
@@ -51,8 +49,7 @@ def _qwen35_vision(text_width: int) -> VisionProfile:
 
 
 def _moonvit(text_width: int) -> VisionProfile:
-    """Kimi K2.5's MoonViT (27 x 1152, MLP 4304, 14-pixel patches, a 64 x 64 position grid) and its
-    projector (LayerNorm, 2 x 2 merged patches through a 4608-wide MLP to the text width)."""
+    """Kimi K2.5's MoonViT (a 64 x 64 position grid) and its 2 x 2 merging two-layer projector."""
     w, merged = 1152, 4 * 1152
     tower = 3 * 14 * 14 * w + w + 64 * 64 * w + _vit_layers(w, 4304, 27) + 2 * w
     projector = 2 * w + merged * merged + merged + merged * text_width + text_width

@@ -85,6 +85,20 @@ def profile_from_loaded(loaded: Any, name: str = "") -> ModelProfile:
     )
 
 
+def _composed(language: ModelProfile, composition: Any) -> ModelProfile:
+    """The language model's profile with the composition's vision encoder (its width checked)."""
+    from dataclasses import replace
+
+    from twinfer.runtime.loaders.hf import read_config
+    from twinfer.runtime.vision.compose import check_width
+
+    check_width(composition, language.spec)
+    encoder = vision.from_checkpoint(composition.vision, read_config(composition.vision))
+    if encoder is None:
+        raise PlanError(f"{composition.source}: {composition.vision} has no vision tensors")
+    return replace(language, vision=encoder, source=f"composition {composition.source}")
+
+
 def _vision_of(loaded: Any) -> VisionProfile | None:
     """A checkpoint's own vision tensors, or the llama.cpp projector file beside a GGUF model."""
     path = Path(str(loaded.path))
@@ -109,11 +123,15 @@ def _file_type(loaded: Any) -> str:
 
 
 def resolve(model: str | None) -> ModelProfile:
-    """A path (GGUF file, model folder), a catalog name, or None for the embedded default model."""
+    """A path (GGUF file, model folder, a composition file), a catalog name, or None for the embedded default."""
     if model is None or Path(model).expanduser().exists():
         from twinfer.runtime.loaders import load_model  # lazy: reads only the header of a GGUF
+        from twinfer.runtime.vision.compose import read_composition
 
-        return profile_from_loaded(load_model(model))
+        composition = read_composition(Path(model).expanduser()) if model is not None else None
+        if composition is None:
+            return profile_from_loaded(load_model(model))
+        return _composed(profile_from_loaded(load_model(composition.language)), composition)
     if model.endswith((".gguf", ".safetensors", "/")) or "/" in model and not catalog.CATALOG.get(model):
         try:
             return catalog.find(model.rstrip("/").split("/")[-1]).profile()

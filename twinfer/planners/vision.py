@@ -1,6 +1,4 @@
-"""A model's vision encoder as the planner sees it: its weights (tower + projector) and the tokens one
-image takes in the context, counted from a checkpoint's vision tensors, a llama.cpp projector file
-(mmproj GGUF) beside a GGUF model, or a catalog entry (docs/images.md, "Planning")."""
+"""A model's vision encoder as the planner sees it: weights and tokens per image (docs/images.md, "Planning")."""
 
 from __future__ import annotations
 
@@ -11,19 +9,15 @@ from typing import Any
 
 from twinfer.runtime.errors import PlanError
 
-# Tensor-name prefixes of the image side of a multimodal checkpoint (transformers 4 and 5 spellings)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "mm_projector.", "visual.", "vision_model.",
                    "model.vision_tower.", "model.multi_modal_projector.", "model.mm_projector.", "model.visual.")
-# Dynamic-resolution towers (Qwen3.5, Kimi K2.5) take as many tokens as the image has merged patches:
-# the planner prices an image of this side, Gemma 3's fixed input size.
-REFERENCE_IMAGE_SIDE = 896
-GEMMA3_POOL = 4  # llama.cpp's default `clip.vision.projector.scale_factor` for a Gemma 3 projector
+REFERENCE_IMAGE_SIDE = 896  # the image a dynamic-resolution tower is priced for: Gemma 3's fixed size
+POOL_DEFAULT = 4  # llama.cpp's scale factor when a Gemma 3 projector file omits it
 
 
 @dataclass(frozen=True)
 class VisionProfile:
-    """Encoder + projector `params`; `stored_bytes` as a file holds them (0: counted, not read);
-    `tokens_per_image` placeholders each image takes; `images` per request in the plan."""
+    """Encoder + projector `params` (`stored_bytes` in a file, 0 if counted) and `images` per request."""
 
     params: float
     tokens_per_image: int
@@ -33,12 +27,10 @@ class VisionProfile:
 
     @property
     def image_tokens(self) -> int:
-        """Context tokens one request's images take."""
         return self.images * self.tokens_per_image
 
     def weight_bytes(self, default_format: str, engine: str) -> float:
-        """Bytes as a runner holds the encoder, which is never quantized: float32 where the runner widens
-        its weights (`default_format` f32), llama.cpp's projector file as stored, else 16-bit."""
+        """Never quantized: f32 where the runner widens, llama.cpp's projector file as stored, else 16-bit."""
         if default_format == "f32":
             return self.params * 4.0
         if engine == "llamacpp" and self.stored_bytes:
@@ -58,8 +50,7 @@ def merged_tokens(side: int, patch: int, merge: int) -> int:
 
 
 def tokens_from_config(config: dict[str, Any]) -> int:
-    """Tokens per image a transformers config implies: Gemma 3's `mm_tokens_per_image`, else the merged
-    patches of a REFERENCE_IMAGE_SIDE image (Qwen's `spatial_merge_size`, Kimi's `merge_kernel_size`)."""
+    """`mm_tokens_per_image`, else the merged patches of a REFERENCE_IMAGE_SIDE image."""
     if config.get("mm_tokens_per_image"):
         return int(config["mm_tokens_per_image"])
     v = config.get("vision_config") or {}
@@ -83,14 +74,15 @@ def from_checkpoint(folder: Path, config: dict[str, Any]) -> VisionProfile | Non
 
 
 def mmproj_beside(model: Path) -> Path | None:
-    """A llama.cpp projector file next to a GGUF model: `mmproj*.gguf` (llama.cpp's and the usual
-    published names), the first by name when there are several."""
+    """The first `*mmproj*.gguf` next to a GGUF model, by name."""
     found = sorted(p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model)
     return found[0] if found else None
 
 
 def from_mmproj(path: Path) -> VisionProfile:
     """A llama.cpp projector file: its tensors' bytes, and the tokens per image its clip keys imply."""
+    from gguf import VisionProjectorType
+
     from twinfer.runtime.loaders.gguf_file import read_gguf
 
     contents = read_gguf(path)
@@ -99,7 +91,7 @@ def from_mmproj(path: Path) -> VisionProfile:
     stored = float(sum(t.nbytes for t in contents.tensors.values()))
     side = int(meta.get("clip.vision.image_size", REFERENCE_IMAGE_SIDE))
     patch = int(meta.get("clip.vision.patch_size", 14))
-    default = GEMMA3_POOL if meta.get("clip.projector_type") == "gemma3" else 1
+    default = POOL_DEFAULT if meta.get("clip.projector_type") == VisionProjectorType.GEMMA3 else 1
     scale = int(meta.get("clip.vision.projector.scale_factor", default))
     merge = int(meta.get("clip.vision.spatial_merge_size", 1))
     return VisionProfile(params, merged_tokens(side, patch, scale * merge), stored, source=f"projector {path.name}")
