@@ -1,16 +1,6 @@
-"""Gemma 3's image side (`Gemma3ForConditionalGeneration`): a SigLIP vision tower and the multi-modal
-projector, over the Ops interface, so torch and MLX run the same code.
-
-An image is resized (bilinear) to the tower's square size, scaled x/255 then (x - mean)/std (0.5 each),
-cut into patches that a linear layer embeds (SigLIP's stride-p convolution), plus learned positions;
-pre-norm encoder layers with bidirectional attention and a GELU(tanh) MLP; a final LayerNorm. The
-projector average-pools the patch grid to `mm_tokens_per_image` tokens, RMS-normalizes them with
-Gemma's `1 +` weight and projects them to the language model's width. Features are not scaled by
-sqrt(hidden) as text embeddings are, and an image's tokens attend to each other both ways.
-
-The prompt's `<start_of_image>` becomes "\\n\\n<start_of_image>" + mm_tokens_per_image x
-`<image_soft_token>` + "<end_of_image>\\n\\n", with newline runs merged as the tokenizer merges them.
-"""
+"""Gemma 3's image side (`Gemma3ForConditionalGeneration`): preprocessing, the SigLIP tower and the
+multi-modal projector over Ops (torch and MLX run the same code), and the prompt's placeholder run.
+docs/images.md, "Gemma 3", describes each step."""
 
 from __future__ import annotations
 
@@ -91,8 +81,8 @@ class Gemma3VisionConfig:
 
 
 def read_vision_config(folder: Path, config: dict[str, Any]) -> Gemma3VisionConfig | None:
-    """The vision side of a Gemma 3 config.json dict (None: a text-only checkpoint), with the image
-    processor's settings from processor_config.json (transformers 5) or preprocessor_config.json."""
+    """The vision side of a config.json dict (None: text only), preprocessing from processor_config.json
+    (transformers 5) or preprocessor_config.json."""
     if not isinstance(config.get("vision_config"), dict):
         return None
     v = {**VISION_DEFAULTS, **config["vision_config"]}
@@ -132,8 +122,7 @@ def _three(values: Any) -> tuple[float, float, float]:
 
 
 def preprocess(pixels: np.ndarray, c: Gemma3VisionConfig) -> np.ndarray:
-    """uint8 [H, W, 3] -> the tower's patches [patches, 3 * p * p] float32, (channel, row, col) per patch
-    (the layout of SigLIP's convolution weight), patches row-major over the grid."""
+    """uint8 [H, W, 3] -> patches [P * P, 3 * p * p] float32, each (channel, row, col) like SigLIP's conv."""
     S, p, P = c.image_size, c.patch_size, c.patches_per_side
     if pixels.shape[:2] != (S, S):
         pixels = resize_bilinear(pixels, S)
@@ -147,13 +136,12 @@ def resize_bilinear(pixels: np.ndarray, size: int) -> np.ndarray:
     """Pillow's bilinear resize of uint8 RGB to size x size (what transformers' Gemma 3 processor does)."""
     try:
         from PIL import Image as PILImage
-    except ImportError as e:  # pragma: no cover - Pillow comes with the image extras
+    except ImportError as e:
         raise ModelError("resizing an image needs Pillow: pip install pillow") from e
     resized = PILImage.fromarray(np.ascontiguousarray(pixels), "RGB").resize((size, size), PILImage.Resampling.BILINEAR)
     return np.asarray(resized, dtype=np.uint8)
 
 
-# -- weights ---------------------------------------------------------------------------------------
 V = "vision_tower."
 VL = V + "encoder.layers.{i}."
 PLUS1 = "norm_plus_one"
@@ -219,7 +207,6 @@ def vision_weights(folder: Path, spec: ModelSpec, c: Gemma3VisionConfig) -> Weig
     return map_weights(spec, HF_NAMES, stored, str(folder), weight_shapes(c))
 
 
-# -- the tower -------------------------------------------------------------------------------------
 class Gemma3Vision:
     """Gemma 3's `VisionTower` over one backend's Ops: `weights` are that backend's arrays."""
 
@@ -227,8 +214,7 @@ class Gemma3Vision:
 
     def __init__(self, config: Gemma3VisionConfig, ops: Ops, weights: dict[str, Array], newlines: dict[int, int],
                  wrap: list[int]):
-        """`newlines`: token id -> the length of the newline run it stands for; `wrap`: the ids of the
-        "\\n\\n" before `<start_of_image>` and after `<end_of_image>`."""
+        """`newlines`: token id -> the newline run it stands for; `wrap`: the ids of "\\n\\n"."""
         self.config = config
         self.ops = ops
         self.weights = weights
@@ -258,8 +244,7 @@ class Gemma3Vision:
         return out, [ImageSpan(s, c.mm_tokens_per_image, im) for s, im in zip(starts, images, strict=True)]
 
     def _merge_newlines(self, ids: list[int], inserted: list[bool]) -> list[int]:
-        """Each run of newline tokens that an expansion touched, re-tokenized as one run (the processor
-        tokenizes the expanded text, so "\n" + "\n\n" is one "\n\n\n" token in Gemma's vocabulary)."""
+        """Newline runs an expansion touched, re-tokenized whole, as the processor tokenizes expanded text."""
         out: list[int] = []
         i = 0
         while i < len(ids):
@@ -334,8 +319,7 @@ def _newline_encoder(newlines: dict[int, int]) -> Any:
 
 
 def open_gemma3_vision(folder: Path, config: dict[str, Any], spec: ModelSpec, ops: Ops) -> Gemma3Vision | None:
-    """The tower of the Gemma 3 checkpoint in `folder` (`config`: its config.json) over `ops`, its weights
-    read one at a time onto the backend; None when the checkpoint has no vision tower."""
+    """The tower of the checkpoint in `folder` (`config`: its config.json) over `ops`; None: it has none."""
     c = read_vision_config(folder, config)
     if c is None:
         return None

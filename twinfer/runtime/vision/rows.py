@@ -1,6 +1,4 @@
-"""Where a step's image features go, on the host: the rows each image's features replace and the key
-positions each query of a bidirectional image sees both ways. Both backends' `begin_step` build their
-step context from these."""
+"""Where a step's image features go (host side, for both backends' `begin_step`)."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ def feature_rows(batch: StepBatch) -> list[tuple[int, Any]]:
 
 
 def bidirectional_spans(batch: StepBatch, width: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per query [B, width] (the padded layout of `begin_step`): the key positions [lo, hi) it sees both
-    ways because it lies in a bidirectional image (lo == hi elsewhere); None when no chunk has one, so a
-    text-only step builds the plain causal mask."""
+    """Per query [B, width] (`begin_step`'s padded layout), the key positions [lo, hi) of the bidirectional
+    image it lies in (lo == hi elsewhere); None when no chunk has one: the plain causal mask."""
     if not any(im.bidirectional for c in batch.chunks for im in c.images):
         return None
     lo = np.zeros((len(batch.chunks), width), dtype=np.int64)
