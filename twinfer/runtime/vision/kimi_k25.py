@@ -1,13 +1,7 @@
 """Kimi K2.5's vision tower (MoonViT) and patch-merger projector over `Ops`, as transformers'
-`Kimi_K25VisionModel` + `Kimi_K25MultimodalProjection` compute them for a single image.
-
-One image: patches (kimi_k25_image.py) -> patch-embedding linear + the learned position grid resampled to
-the image's grid -> layers of [LayerNorm, attention over all the image's patches with axial 2D rope,
-LayerNorm, GELU(tanh) MLP] -> final LayerNorm -> each 2 x 2 block of patches pooled into one row
-(LayerNorm, concatenate, linear, GELU, linear) in the language model's width. A video's temporal
-position table is not needed for images (a single frame adds its zero row). The chat template's
-`<|media_pad|>` marks an image; `expand` repeats it once per merged patch (docs/images.md).
-"""
+`Kimi_K25VisionModel` + `Kimi_K25MultimodalProjection` compute them for one image (a single frame adds
+the temporal table's zero row, so it is left out). `<|media_pad|>` marks an image; `expand` repeats it
+once per merged patch (docs/images.md, "Kimi K2.5")."""
 
 from __future__ import annotations
 

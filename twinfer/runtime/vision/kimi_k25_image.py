@@ -1,10 +1,6 @@
-"""Kimi K2.5's host-side image work, in numpy: the size an image is resized and padded to (transformers'
-`navit_resize`), the antialiased bicubic resize, the normalized patches, and the per-patch tables the
-tower reads (the learned position grid's bicubic resampling, the axial 2D rope angles).
-
-Patches come out in merge-block order (each 2 x 2 block of patches is consecutive): the tower is
-permutation-equivariant, so its output is then already grouped the way the patch merger pools it.
-"""
+"""Kimi K2.5's host-side image work in numpy: sizing, resize, normalized patches, and the per-patch
+position and rope tables. Patches come in merge-block order (each 2 x 2 block consecutive), so the
+permutation-equivariant tower's output is already grouped as the patch merger pools it."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ class ImageSettings:
             raise ValueError(f"image settings out of range: {self}")
 
     def sizes(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """((resized height, width), (padded height, width)) in pixels, as transformers' `navit_resize`:
-        shrink (never grow) to the patch budgets, then pad to a multiple of merge * patch."""
+        """((resized h, w), (padded h, w)) as transformers' `navit_resize`: shrink to the budgets, pad."""
         p = self.patch
         count = max(1.0, height // p) * max(1.0, width // p)
         side = self.max_side * p
@@ -54,8 +49,7 @@ class ImageSettings:
 
 
 def patches(settings: ImageSettings, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int]]:
-    """uint8 [H, W, 3] -> (float32 [N, 3 * patch * patch] in merge-block order, (grid rows, columns)).
-    Each row is one patch as channel, y, x (the patch-embedding convolution's input layout)."""
+    """uint8 [H, W, 3] -> (float32 [N, 3 * p * p] rows as channel, y, x, (grid rows, columns))."""
     (h, w), (ph, pw) = settings.sizes(pixels.shape[0], pixels.shape[1])
     if (h, w) != pixels.shape[:2]:
         pixels = resize_bicubic(pixels, h, w)
@@ -80,8 +74,7 @@ def block_positions(gh: int, gw: int, merge: int) -> tuple[np.ndarray, np.ndarra
 
 
 def position_embedding(table: np.ndarray, gh: int, gw: int, merge: int) -> np.ndarray:
-    """The learned [side, side, C] position grid resampled to a gh x gw grid (bicubic, a = -0.75, half-pixel
-    centres, edge taps clamped: `F.interpolate(mode="bicubic")`), rows in merge-block order -> [N, C]."""
+    """The learned [side, side, C] grid resampled to gh x gw as `F.interpolate(mode="bicubic")` -> [N, C]."""
     side = table.shape[0]
     flat = table.reshape(-1, table.shape[-1]).astype(np.float32)
     rows, cols = block_positions(gh, gw, merge)
@@ -96,7 +89,8 @@ def position_embedding(table: np.ndarray, gh: int, gw: int, merge: int) -> np.nd
 
 def _bicubic_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
     """Four source taps and their Keys-kernel weights for each target index on an axis of `size`."""
-    src = ((index.astype(np.float32) + np.float32(0.5)) * np.float32(side) / np.float32(size) - np.float32(0.5))
+    f = np.float32
+    src = (index.astype(f) + f(0.5)) * f(side) / f(size) - f(0.5)
     floor = np.floor(src)
     offsets = np.arange(-1, 3)
     taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
@@ -108,8 +102,8 @@ def _bicubic_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, 
 
 
 def rope_tables(gh: int, gw: int, merge: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [N, 1, head_dim] of MoonViT's axial rope: frequency pair i turns by the column (i even) or
-    the row (i odd) times theta^(-4 * (i // 2) / head_dim); both halves of the head share the angles."""
+    """cos, sin [N, 1, D] of MoonViT's axial rope: pair i turns by the column (i even) or row (i odd)
+    times theta^(-4 * (i // 2) / D); both halves of the head share the angles."""
     quarter = np.arange(0, head_dim // 2, 2, dtype=np.float32) / np.float32(head_dim // 2)
     inv_freq = (np.float32(1.0) / np.float32(theta) ** quarter).astype(np.float32)
     rows, cols = block_positions(gh, gw, merge)
@@ -120,8 +114,7 @@ def rope_tables(gh: int, gw: int, merge: int, head_dim: int, theta: float) -> tu
 
 
 def rotate_half_matrix(head_dim: int) -> np.ndarray:
-    """R [D, D] with x @ R.T == concat(-x[D/2:], x[:D/2]): rope's rotate_half as a linear map (each row
-    one signed 1, so the product is exact)."""
+    """R [D, D] with x @ R.T == concat(-x[D/2:], x[:D/2]) exactly (one signed 1 a row)."""
     half = head_dim // 2
     r = np.zeros((head_dim, head_dim), np.float32)
     r[np.arange(half), np.arange(half) + half] = -1.0
@@ -130,9 +123,8 @@ def rotate_half_matrix(head_dim: int) -> np.ndarray:
 
 
 def resize_bicubic(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Antialiased bicubic resize of uint8 [H, W, 3] as torch's uint8 `interpolate(antialias=True)` (which
-    torchvision runs) computes it, bit for bit: PIL's filter (a = -0.5) in int16 fixed point, columns
-    first, then rows, rounding to uint8 after each pass."""
+    """torch's uint8 antialiased bicubic `interpolate` (torchvision's resize) bit for bit: PIL's filter
+    (a = -0.5) in int16 fixed point, columns then rows, rounding to uint8 after each pass."""
     wide = _resample_axis(pixels, width, axis=1)
     return _resample_axis(wide, height, axis=0)
 
@@ -153,7 +145,7 @@ def _resample_axis(x: np.ndarray, out_size: int, axis: int) -> np.ndarray:
 
 
 def _aa_matrix(in_size: int, out_size: int) -> np.ndarray:
-    """Normalized antialiased cubic weights (a = -0.5), support widened by the downscale factor."""
+    """Normalized cubic weights (a = -0.5), the support widened by the downscale factor."""
     scale = in_size / out_size
     support = 2.0 * scale if scale >= 1.0 else 2.0
     inv = 1.0 / scale if scale >= 1.0 else 1.0
