@@ -99,6 +99,7 @@ def run_bench_cmd(options: BenchOptions) -> None:
             measured = session.strategy.measured_kl
             report["memory_budget_kl"] = {"expected": session.strategy.expected_kl,
                                           "measured": asdict(measured) if measured else None}
+            report["memory_budget_predicted_bytes"] = session.strategy.predicted_bytes  # the model's, no interpreter
     _print(report, o.json_out)
 
 

@@ -53,15 +53,32 @@ class Memory:
         return self.capacity * self.devices
 
 
-def activation_bytes(profile: ModelProfile, s: Strategy, concurrency: int) -> float:
-    """Workspace of one prefill chunk plus the logits of a decode batch (fp32)."""
+def activation_bytes(profile: ModelProfile, s: Strategy, concurrency: int, cells: int = 0) -> float:
+    """Workspace of one prefill chunk plus the logits of a decode batch (fp32); on llama.cpp its compute
+    buffer over `cells` KV cells and its fixed costs (`llamacpp_compute_bytes`)."""
     spec = profile.spec
     chunk = 512 if s.engine == "llamacpp" else 2048
     inter = spec.intermediate_size if profile.count("mlp") else 0
     if spec.moe:
         inter = max(inter, spec.moe.top_k * spec.moe.expert_intermediate_size)
+    if s.engine == "llamacpp":
+        return llamacpp_compute_bytes(profile, inter, cells) + max(1, concurrency) * spec.vocab_size * 4
     per_token = (12 * spec.hidden_size + 3 * inter / s.tp + 3 * spec.q_size / s.tp) * 2
     return chunk * per_token + max(1, concurrency) * spec.vocab_size * 4
+
+
+LLAMACPP_UBATCH = 512
+LLAMACPP_FIXED = 10e6  # llama.cpp's context, thread pool, kernels' code pages, huge-page rounding: 9-11 MB measured
+
+
+def llamacpp_compute_bytes(profile: ModelProfile, inter: float, cells: int) -> float:
+    """llama.cpp's CPU compute buffer for one 512-token ubatch (flash attention) plus `LLAMACPP_FIXED`: about
+    11 bytes a hidden unit and 4.9 an FFN (top-k experts') unit per token, and per KV cell the mask and
+    per-head scratch (2 + 0.43 bytes a query head); fit to the buffers llama.cpp reported for Qwen3-MoE at
+    hidden 256 and 1,024 and gpt-oss at 2,880, within 10% of each (docs/benchmarks.md)."""
+    spec = profile.spec
+    per_token = 11.0 * spec.hidden_size + 4.9 * inter
+    return LLAMACPP_UBATCH * (per_token + cells * (2 + 0.43 * spec.num_heads)) + LLAMACPP_FIXED
 
 
 def kv_alloc_per_token(profile: ModelProfile, s: Strategy, context: int) -> float:
@@ -87,7 +104,7 @@ def memory_for(profile: ModelProfile, cluster: Cluster, s: Strategy, concurrency
     overhead = LOCAL_OVERHEAD if dev.kind in (APPLE, CPU) else RUNTIME_OVERHEAD.get(s.engine, 1.0e9)
     return Memory(
         weights_bytes=weights, resident_weights=resident, streamed_weights=streamed, kv_bytes_per_token=kv_tok,
-        kv=kv, activations=activation_bytes(profile, s, seqs), overhead=overhead,
+        kv=kv, activations=activation_bytes(profile, s, seqs, cells), overhead=overhead,
         capacity=cluster.capacity_per_device, devices=s.dp * shard,
         vision_weights=profile.vision_bytes(s.mix, s.engine), image_kv=image_kv,
     )

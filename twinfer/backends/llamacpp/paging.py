@@ -84,6 +84,7 @@ class PagerStats:
     expert_bytes: int = 0
     locked_bytes: int = 0  # dense bytes mlock accepted (0 where RLIMIT_MEMLOCK is small)
     trims: int = 0
+    peak_file: int = 0  # most file bytes mapped at the end of a step, before its trim (since `reset_peak`)
 
 
 class ExpertPager:
@@ -140,11 +141,18 @@ class ExpertPager:
         mib = 2**20
         s = self.stats
         return {"bound_mb": round(self.bound / mib), "dense_mb": round(s.dense_bytes / mib),
-                "experts_mb": round(s.expert_bytes / mib), "locked_mb": round(s.locked_bytes / mib), "trims": s.trims}
+                "experts_mb": round(s.expert_bytes / mib), "locked_mb": round(s.locked_bytes / mib), "trims": s.trims,
+                "peak_file_mb": round(s.peak_file / mib)}
+
+    def reset_peak(self) -> None:
+        """Start `stats.peak_file` again (a prompt maps every expert; decode steps map their top-k)."""
+        self.stats.peak_file = 0
 
     def after_step(self) -> None:
         """Trim when the experts mapped since the last trim pass the bound."""
-        if rss_file() - self._floor > self.bound:
+        now = rss_file()
+        self.stats.peak_file = max(self.stats.peak_file, now)
+        if now - self._floor > self.bound:
             self._floor = self.trim()
 
 
