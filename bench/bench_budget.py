@@ -2,8 +2,10 @@
 
     python bench/bench_budget.py --dir /tmp/budget [--llama-bin DIR] [--rounds 3] > out.json
 
-Builds (once, in --dir) a random Qwen3-MoE as a BF16 GGUF with llama.cpp's own converter (16 layers, 64
-experts top-4, 1.66 GB: tests/moe_gguf.py) and llama-bench from the installed llama-cpp-python's sdist
+Builds (once, in --dir) the `--shape` models with llama.cpp's own converter (tests/moe_gguf.py): `qwen3`, a
+random Qwen3-MoE in BF16 (16 layers, 64 experts top-4, 1.66 GB); `gpt-oss`, gpt-oss-20b's layer shape (4
+layers, 32 experts top-4 of FFN 2880, sinks, sliding and full attention alternating) with MXFP4 experts,
+1.81 GB; and llama-bench from the installed llama-cpp-python's sdist
 (`cmake -B build -DLLAMA_CURL=OFF && cmake --build build -j2 --target llama-bench`), unless --llama-bin
 names a built one. Then, each round, under a memory limit of budget + 600 MB (a cgroup: v2 through
 `systemd-run --scope -p MemoryMax=`, else a v1 child of this process's memory cgroup) with the model's
@@ -14,8 +16,9 @@ pages dropped from the page cache first (`/proc/sys/vm/drop_caches` where permit
   the requantized file when the budget chooses one, and is not timed);
 - `llama-bench -m MODEL -p 0 -n 128 -r 2` (the file mapped, the kernel paging it under the same limit).
 
-Prints one JSON object: each run's decode tok/s, the cgroup's peak usage and OOM kills, the budget's
-summary, and the host, kernel and builds.
+Prints one JSON object per shape: each run's decode tok/s, the cgroup's peak usage (page cache included)
+and OOM kills, the process's own peak RSS (`wait4`), the plan's predicted bytes and its KL (expected and
+measured), the budget's summary, the load average, and the host, kernel and builds.
 """
 
 from __future__ import annotations
@@ -115,9 +118,14 @@ def run_limited(cmd: list[str], limit: int, env: dict[str, str] | None = None) -
             if group is not None:
                 (group / "cgroup.procs").write_text(str(os.getpid()))
 
-        proc = subprocess.run([*prefix, *cmd], capture_output=True, text=True, env={**os.environ, **(env or {})},
-                              preexec_fn=enter, check=False)
-        out: dict[str, Any] = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-2000:]}
+        with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+            proc = subprocess.Popen([*prefix, *cmd], stdout=so, stderr=se, text=True,
+                                    env={**os.environ, **(env or {})}, preexec_fn=enter)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            so.seek(0), se.seek(0)
+            out: dict[str, Any] = {"rc": proc.returncode, "stdout": so.read(), "stderr": se.read()[-2000:],
+                                   "rss_peak_bytes": usage.ru_maxrss * 1024, "load_average": os.getloadavg()}
         if group is not None:
             out["peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
             oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
@@ -133,7 +141,8 @@ def twinfer_run(model: Path, budget: int, limit: int, cache: Path) -> dict[str, 
         report = json.loads(r["stdout"])
         row = report["results"][0]
         r.update(decode_tok_s=1.0 / row["tpot_p50_s"], output_tok_s=row["output_tokens_per_s"],
-                 summary=report.get("memory_budget"), build=report.get("build"))
+                 summary=report.get("memory_budget"), kl=report.get("memory_budget_kl"),
+                 predicted_bytes=report.get("memory_budget_predicted_bytes"), build=report.get("build"))
     r.pop("stdout")
     return r
 
@@ -148,41 +157,58 @@ def llama_bench_run(bin_dir: Path, model: Path, limit: int) -> dict[str, Any]:
     return r
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, required=True, help="where the model, llama-bench and caches go")
-    ap.add_argument("--llama-bin", type=Path, help="a built llama.cpp bin dir (default: build one in --dir)")
-    ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "bench"))
-    from tests.moe_gguf import write_qwen3_moe_gguf
+SHAPES = {"qwen3": "qwen3_moe 16 layers, 64 experts top-4, BF16",
+          "gpt-oss": "gpt_oss 4 layers (gpt-oss-20b's), 32 experts top-4, MXFP4 experts, Q8_0 rest"}
+
+
+def build_model(folder: Path, shape: str) -> Path:
+    from tests.moe_gguf import write_gpt_oss_gguf, write_qwen3_moe_gguf
+
+    return write_qwen3_moe_gguf(folder, "1.6gb") if shape == "qwen3" else write_gpt_oss_gguf(folder, "20b-4l")
+
+
+def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path) -> dict[str, Any]:
+    """Warm-up, then `rounds` interleaved pairs of twinfer and llama-bench under one limit, for one model."""
     from twinfer.app.bench import hardware_info
 
-    a.dir.mkdir(parents=True, exist_ok=True)
-    model = write_qwen3_moe_gguf(a.dir, "1.6gb")
-    bin_dir = a.llama_bin or build_llama_bench(a.dir)
     size = model.stat().st_size
-    budget, cache = size // 2, a.dir / "cache"
+    budget = size // 2
     limit = budget + HEADROOM
+    drop_cache(model)
     warm = twinfer_run(model, budget, limit, cache)  # makes the requantized file if the budget asks for one
-    rounds = []
-    for i in range(a.rounds):
+    out = []
+    for i in range(rounds):
         row: dict[str, Any] = {}
         for side in (("twinfer", "llama_bench") if i % 2 == 0 else ("llama_bench", "twinfer")):
             row["dropped_by"] = drop_cache(model)
             row[side] = (twinfer_run(model, budget, limit, cache) if side == "twinfer"
                          else llama_bench_run(bin_dir, model, limit))
-        rounds.append(row)
-    tw = [r["twinfer"].get("decode_tok_s", 0.0) for r in rounds]
-    lb = [r["llama_bench"].get("decode_tok_s", 0.0) for r in rounds]
-    print(json.dumps({
-        "model": {"path": str(model), "bytes": size, "shape": "qwen3_moe 16 layers, 64 experts top-4, BF16"},
-        "budget_bytes": budget, "limit_bytes": limit, "warm_up": warm, "rounds": rounds,
+        out.append(row)
+    tw = [r["twinfer"].get("decode_tok_s", 0.0) for r in out]
+    lb = [r["llama_bench"].get("decode_tok_s", 0.0) for r in out]
+    return {
+        "model": {"path": str(model), "bytes": size, "shape": SHAPES[shape]},
+        "budget_bytes": budget, "limit_bytes": limit, "warm_up": warm, "rounds": out,
         "median_decode_tok_s": {"twinfer": statistics.median(tw), "llama_bench": statistics.median(lb)},
         "ratio": statistics.median(tw) / statistics.median(lb) if statistics.median(lb) else None,
         "hardware": hardware_info(), "kernel": platform.release(),
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
-    }, indent=1))
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, required=True, help="where the models, llama-bench and caches go")
+    ap.add_argument("--llama-bin", type=Path, help="a built llama.cpp bin dir (default: build one in --dir)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    a.dir.mkdir(parents=True, exist_ok=True)
+    bin_dir = a.llama_bin or build_llama_bench(a.dir)
+    shapes = list(SHAPES) if a.shape == "all" else [a.shape]
+    report = {s: bench_shape(build_model(a.dir, s), s, bin_dir, a.rounds, a.dir / "cache") for s in shapes}
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

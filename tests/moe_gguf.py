@@ -1,12 +1,27 @@
-"""A random-weight Qwen3-MoE as a BF16 GGUF written by llama.cpp's own converter, at any size.
+"""Random-weight MoE GGUFs written by llama.cpp's own converter, at any size.
 
-Used by the memory-budget test (a ~75 MB model) and bench/bench_budget.py (the 1.65 GB one: 16 layers,
-64 experts top-4). Weights are drawn from seed 0; the tokenizer is gguf_convert's tiny byte-level BPE.
+- `write_qwen3_moe_gguf`: a Qwen3-MoE in BF16, used by the memory-budget test (a ~75 MB model) and
+  bench/bench_budget.py (the 1.65 GB one: 16 layers, 64 experts top-4), drawn by transformers (seed 0);
+- `write_gpt_oss_gguf`: gpt-oss-20b's layer shape (hidden 2880, 32 experts top-4 of FFN 2880, 64 query / 8
+  KV heads with sinks, sliding and full layers alternating) for a few layers, its experts MXFP4 as
+  published (random E2M1 codes under one block scale), the rest Q8_0 as in ggml-org's files: a checkpoint in
+  transformers' GptOss layout (tests/synthetic_gpt_oss.py) written shard by shard, so 1.9 GB costs one
+  layer of memory.
+
+The tokenizer is gguf_convert's tiny byte-level BPE.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tests.synthetic_gpt_oss import SyntheticGptOss
 
 SHAPES = {
     # routed experts are 97% of the bytes, as in the MoEs people page from disk
@@ -43,3 +58,70 @@ def write_qwen3_moe_gguf(folder: Path, shape: str = "tiny") -> Path:
     save_tiny_tokenizer(hf, "deepseek")
     convert(hf, out, outtype="bf16")
     return out
+
+
+# gpt-oss-20b's layer (hidden 2880, 32 experts of 2880, top-4, 64 x 64 query and 8 KV heads, window 128)
+GPT_OSS_SHAPES = {"20b-4l": dict(layers=4), "20b-2l": dict(layers=2)}
+MXFP4_SCALE = 120  # E8M0 2**-7: random E2M1 codes (RMS 2.93) then have RMS 0.023, about hidden**-0.5
+
+
+def gpt_oss_shape(shape: str) -> SyntheticGptOss:
+    from tests.gguf_convert import TINY_VOCAB
+    from tests.synthetic_gpt_oss import SyntheticGptOss
+
+    return SyntheticGptOss(hidden=2880, intermediate=2880, experts=32, top_k=4, heads=64, kv_heads=8, head_dim=64,
+                           sliding_window=128, vocab=TINY_VOCAB, dtype="BF16", **GPT_OSS_SHAPES[shape])
+
+
+def write_gpt_oss_gguf(folder: Path, shape: str = "20b-4l") -> Path:
+    """`folder`/gptoss-`shape`-mxfp4.gguf (made once: an existing file is returned as it is)."""
+    out = folder / f"gptoss-{shape}-mxfp4.gguf"
+    if out.is_file():
+        return out
+    from tests.gguf_convert import convert, save_tiny_tokenizer
+
+    hf = folder / f"gptoss-{shape}-hf"
+    s = gpt_oss_shape(shape)
+    hf.mkdir(parents=True, exist_ok=True)
+    config = s.config() | {"quantization_config": {"quant_method": "mxfp4",
+                                                   "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+    (hf / "config.json").write_text(json.dumps(config, indent=1))
+    C, V = s.hidden, s.vocab
+    shards = [[("model.embed_tokens.weight", (V, C), 1.0), ("model.norm.weight", (C,), 0.0),
+               ("lm_head.weight", (V, C), 4 * C**-0.5)]] + [list(s.layer_tensors(i)) for i in range(s.layers)]
+    weight_map: dict[str, str] = {}
+    rng = np.random.default_rng(0)
+    for k, tensors in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        arrays = dict(_gpt_oss_arrays(tensors, rng))
+        _save(hf / name, arrays)
+        weight_map |= dict.fromkeys(arrays, name)
+        del arrays
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_tiny_tokenizer(hf, "gpt_oss")
+    convert(hf, out, outtype="q8_0")
+    return out
+
+
+def _gpt_oss_arrays(tensors: list[tuple[str, tuple[int, ...], float]], rng: np.random.Generator
+                    ) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) of one shard: experts as MXFP4 `_blocks` [E, out, in/32, 16] and `_scales` [E, out, in/32]
+    (transformers' [E, in, out] transposed, as published), the rest as float32 (stored BF16 by `_save`)."""
+    for name, shape, std in tensors:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, n_in, n_out = shape
+            yield name + "_blocks", rng.integers(0, 256, (e, n_out, n_in // 32, 16), dtype=np.uint8)
+            yield name + "_scales", np.full((e, n_out, n_in // 32), MXFP4_SCALE, np.uint8)
+        elif std == 0.0:  # a norm: ones plus noise
+            yield name, (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
+        else:
+            yield name, rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+
+def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {k: torch.from_numpy(v) if v.dtype == np.uint8 else torch.from_numpy(v).to(torch.bfloat16)
+               for k, v in arrays.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
