@@ -283,7 +283,7 @@ BAD = [  # (id, path, body (bytes: sent as is), status, param)
     ("bad role", CHAT_URL, {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("content is a number", CHAT_URL, {**OK_CHAT, "messages": [{"role": "user", "content": 5}]}, 400, None),
     ("image part", CHAT_URL, {**OK_CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content[0]"),
     ("temperature string", CHAT_URL, {**OK_CHAT, "temperature": "hot"}, 400, "temperature"),
     ("temperature 3", CHAT_URL, {**OK_CHAT, "temperature": 3}, 400, "temperature"),
     ("top_p 1.5", CHAT_URL, {**OK_CHAT, "top_p": 1.5}, 400, "top_p"),

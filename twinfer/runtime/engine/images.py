@@ -1,14 +1,5 @@
-"""Images inside the engine: a request's placeholder runs (`ImageSpan`) and what the scheduler, the prefix
-cache and a step chunk make of them.
-
-- Prefix-cache keys: the positions of an image are keyed by ids derived from its digest, all at or above
-  the vocabulary size (as SGLang pads them), so two images never share a KV block and the same image
-  does. Only the block manager sees these ids; the runner, sampler and decoder see the real ones.
-- Scheduling: a tower whose image positions attend to each other both ways (`VisionTower.bidirectional`)
-  needs each image inside one chunk: a chunk ends before an image or takes all of it, and a cached
-  prefix that ends inside one backs off to the block where it starts.
-- Features: encoded once per digest before the chunk that needs them (a small LRU), sliced per chunk.
-"""
+"""Images inside the engine (docs/images.md, "Caching"): prefix-cache key ids per image digest, chunks
+that never split an image whose positions attend both ways, and features encoded once per digest."""
 
 from __future__ import annotations
 
@@ -36,9 +27,8 @@ def key_tokens(prompt: Sequence[int], spans: Sequence[ImageSpan], vocab_size: in
 
 
 def whole_image_chunk(spans: Sequence[ImageSpan], start: int, n: int, budget: int) -> int:
-    """How many of the `n` tokens from `start` to compute so that no image is split: a chunk that would
-    end inside an image stops before it, or takes the whole image when it starts there (0 when the
-    image does not fit `budget`: the request waits for a step with room)."""
+    """Of `n` tokens from `start`, how many to compute without splitting an image: stop before one, or take
+    it whole when it starts there (0: it does not fit `budget`, wait for a step with room)."""
     end = start + n
     for span in spans:
         if span.start < end < span.end:
@@ -49,8 +39,8 @@ def whole_image_chunk(spans: Sequence[ImageSpan], start: int, n: int, budget: in
 
 
 def whole_image_prefix(spans: Sequence[ImageSpan], blocks: int, block_size: int) -> int:
-    """How many of `blocks` cached prefix blocks a request may start from so that no image is split:
-    a prefix ending inside an image backs off to the block where that image starts."""
+    """How many of `blocks` cached blocks to start from: a prefix ending inside an image backs off to the
+    block where that image starts."""
     cached = blocks * block_size
     for span in reversed(spans):  # backing off can land inside an earlier image: check those next
         if span.start < cached < span.end:
@@ -59,8 +49,7 @@ def whole_image_prefix(spans: Sequence[ImageSpan], blocks: int, block_size: int)
 
 
 class FeatureCache:
-    """Image features by digest, `capacity` images kept (least recently used go first). Called from the
-    engine thread only: `encode` runs the tower on a miss and reports the seconds it took."""
+    """Image features by digest, the last `capacity` images used kept; the engine thread's only."""
 
     def __init__(self, tower: VisionTower, capacity: int = 16):
         if capacity < 1:
@@ -92,8 +81,7 @@ class FeatureCache:
         return features, seconds
 
     def chunk_images(self, spans: Sequence[ImageSpan], start: int, n: int) -> tuple[list[ChunkImage], float]:
-        """The feature rows chunk [start, start + n) covers, offsets relative to `start`; and the encoder
-        seconds spent getting them."""
+        """The feature rows chunk [start, start + n) covers (offsets from `start`), and the encoder seconds."""
         out: list[ChunkImage] = []
         seconds = 0.0
         end = start + n
