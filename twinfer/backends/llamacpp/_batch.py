@@ -1,5 +1,6 @@
 """A reusable `llama_batch` with numpy views on its arrays; `plan_windows` cuts a step into calls of at
-most `capacity` tokens, splitting chunks where needed, logit rows still in batch order."""
+most `capacity` tokens, splitting chunks where needed, logit rows still in batch order. An image's feature
+rows go in calls of their own: llama.cpp decodes a batch of token ids or of embeddings, not both."""
 
 from __future__ import annotations
 
@@ -14,28 +15,50 @@ from twinfer.runtime.batch import LogitsWanted, SeqChunk
 
 @dataclass(frozen=True)
 class Piece:
-    """Tokens [a, b) of chunk `chunk`, decoded in one window."""
+    """Tokens [a, b) of chunk `chunk`, decoded in one window; `image` >= 0: they are rows of that entry of
+    `chunk.images`, decoded as embeddings, alone in their window."""
 
     chunk: int
     a: int
     b: int
+    image: int = -1
 
 
 def plan_windows(chunks: list[SeqChunk], capacity: int) -> list[list[Piece]]:
-    """Split the chunks' tokens, in order, into windows of at most `capacity` tokens."""
+    """Split the chunks' tokens, in order, into windows of at most `capacity` tokens; image rows take
+    windows of their own, so each sequence's positions still reach llama.cpp in order."""
     windows: list[list[Piece]] = [[]]
     room = capacity
     for i, chunk in enumerate(chunks):
-        a = 0
-        while a < len(chunk.tokens):
-            if room == 0:
+        for a, end, image in _segments(chunk):
+            if image >= 0:
+                windows += [[Piece(i, s, min(end, s + capacity), image)] for s in range(a, end, capacity)]
                 windows.append([])
                 room = capacity
-            b = min(len(chunk.tokens), a + room)
-            windows[-1].append(Piece(i, a, b))
-            room -= b - a
-            a = b
+                continue
+            while a < end:
+                if room == 0:
+                    windows.append([])
+                    room = capacity
+                b = min(end, a + room)
+                windows[-1].append(Piece(i, a, b))
+                room -= b - a
+                a = b
     return [w for w in windows if w]
+
+
+def _segments(chunk: SeqChunk) -> list[tuple[int, int, int]]:
+    """(a, b, image index or -1) covering the chunk's tokens in order: text runs and image rows."""
+    out: list[tuple[int, int, int]] = []
+    at = 0
+    for k, im in sorted(enumerate(chunk.images), key=lambda e: e[1].offset):
+        if im.offset > at:
+            out.append((at, im.offset, -1))
+        out.append((im.offset, im.offset + im.rows, k))
+        at = im.offset + im.rows
+    if at < len(chunk.tokens):
+        out.append((at, len(chunk.tokens), -1))
+    return out
 
 
 def output_flags(chunk: SeqChunk, a: int, b: int) -> np.ndarray:
@@ -49,14 +72,18 @@ def output_flags(chunk: SeqChunk, a: int, b: int) -> np.ndarray:
 
 
 class BatchBuffer:
-    """One `llama_batch_init` allocation, refilled every window instead of allocated per step."""
+    """One `llama_batch_init` allocation, refilled every window instead of allocated per step: of token ids,
+    or with `n_embd` of embeddings (`fill_embeddings`)."""
 
-    def __init__(self, lib: ModuleType, capacity: int):
+    def __init__(self, lib: ModuleType, capacity: int, n_embd: int = 0):
         self._lib = lib
         self.capacity = capacity
-        self.raw: Any = lib.llama_batch_init(capacity, 0, 1)  # tokens, no embeddings, 1 seq id per token
+        self.raw: Any = lib.llama_batch_init(capacity, n_embd, 1)  # 1 seq id per token
         as_array = np.ctypeslib.as_array
-        self._token = as_array(self.raw.token, shape=(capacity,))
+        if n_embd:
+            self._embd = as_array(self.raw.embd, shape=(capacity, n_embd))
+        else:
+            self._token = as_array(self.raw.token, shape=(capacity,))
         self._pos = as_array(self.raw.pos, shape=(capacity,))
         self._logits = as_array(self.raw.logits, shape=(capacity,))
         as_array(self.raw.n_seq_id, shape=(capacity,))[:] = 1
@@ -89,8 +116,36 @@ class BatchBuffer:
         self.raw.n_tokens = n
         return n_out
 
+    def fill_embeddings(self, rows: np.ndarray, start: int, seq: int, flags: np.ndarray) -> int:
+        """Write `rows` [m, n_embd] at positions start.. of llama seq `seq`; returns the output rows."""
+        m = rows.shape[0]
+        self._embd[:m] = rows
+        self._pos[:m] = np.arange(start, start + m, dtype=np.int32)
+        self._logits[:m] = flags
+        for row in self._seq_rows[:m]:
+            row[0] = seq
+        self.raw.n_tokens = m
+        return int(np.count_nonzero(flags))
+
     def free(self) -> None:
         if self.raw is not None:
             self._seq_rows = []
             self._lib.llama_batch_free(self.raw)
             self.raw = None
+
+
+def check_images(chunk: SeqChunk, n_embd: int, whole_limit: int) -> None:
+    """Refuse image rows outside the chunk, overlapping, of another width, or a bidirectional image that
+    one llama.cpp ubatch (`whole_limit` rows) cannot hold: its rows see each other only inside one."""
+    at = 0
+    for im in sorted(chunk.images, key=lambda e: e.offset):
+        shape: tuple[int, ...] = tuple(getattr(im.features, "shape", ()))
+        if len(shape) != 2 or shape[1] != n_embd:
+            raise ValueError(f"sequence {chunk.seq_id}: image features {tuple(shape)} are not [rows, {n_embd}]")
+        if im.offset < at or im.offset + im.rows > len(chunk.tokens):
+            raise ValueError(f"sequence {chunk.seq_id}: image rows [{im.offset}, {im.offset + im.rows}) overlap "
+                             f"another image or fall outside its chunk of {len(chunk.tokens)} tokens")
+        if im.bidirectional and im.rows > whole_limit:
+            raise ValueError(f"sequence {chunk.seq_id}: an image of {im.rows} rows attends both ways, but one "
+                             f"llama.cpp batch holds {whole_limit}; raise n_batch and n_ubatch")
+        at = im.offset + im.rows

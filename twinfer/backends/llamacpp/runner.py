@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from twinfer.backends.llamacpp import hugepages, paging
-from twinfer.backends.llamacpp._batch import BatchBuffer, plan_windows
+from twinfer.backends.llamacpp._batch import BatchBuffer, Piece, check_images, output_flags, plan_windows
 from twinfer.backends.llamacpp._lib import (
     MemoryOps,
     address_function,
@@ -31,6 +31,7 @@ from twinfer.backends.llamacpp.metadata import model_desc, model_spec
 from twinfer.backends.llamacpp.offload import AppliedPlacement, apply_placement
 from twinfer.backends.llamacpp.options import BLOCK_SIZE, KV_TYPES, LlamaCppOptions
 from twinfer.backends.llamacpp.slots import SlotKVSync
+from twinfer.backends.llamacpp.vision import LlamaCppVision, projector_path
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.cpu import default_threads, thp_mode
 from twinfer.runtime.errors import ModelError
@@ -171,10 +172,15 @@ class LlamaCppRunner(Runner):
                 f"llama.cpp could not create a context for {self.path} with n_ctx={n_ctx}, "
                 f"max_seqs={max_seqs}; try a smaller n_ctx"
             )
+        self._images: BatchBuffer | None = None  # embeddings of image rows, allocated on the first image
+        self.vision: LlamaCppVision | None = None
         try:
             self._mem = MemoryOps.for_context(lib, self._ctx)
             self._batch = BatchBuffer(lib, int(lib.llama_n_batch(self._ctx)))
             self._free_threadpool = attach_threadpool(lib, self._ctx, self.n_threads)
+            mmproj = projector_path(self.path, o.mmproj, int(lib.llama_model_n_embd(self._model)))
+            if mmproj is not None:
+                self.vision = LlamaCppVision(lib, self._model, mmproj, n_threads=self.n_threads, verbose=o.verbose)
         except BaseException:
             lib.llama_free(self._ctx)
             self._free_model()
@@ -254,8 +260,11 @@ class LlamaCppRunner(Runner):
         out = None if borrow and len(windows) == 1 else np.empty((batch.num_logit_rows, self.n_vocab), np.float32)
         row = 0
         for pieces in windows:
-            n_out = self._batch.fill(chunks, pieces, slots)
-            code = int(self._lib.llama_decode(self._ctx, self._batch.raw))
+            if pieces[0].image >= 0:
+                n_out, code = self._decode_image(chunks[pieces[0].chunk], pieces[0], slots[pieces[0].chunk])
+            else:
+                n_out = self._batch.fill(chunks, pieces, slots)
+                code = int(self._lib.llama_decode(self._ctx, self._batch.raw))
             if code != 0:
                 self._truncate_to_starts(chunks, slots)
                 raise self._decode_error(code, batch)
@@ -270,6 +279,22 @@ class LlamaCppRunner(Runner):
             out[row : row + n_out] = rows
             row += n_out
         return out if out is not None else np.empty((0, self.n_vocab), np.float32)
+
+    def _decode_image(self, chunk: SeqChunk, piece: Piece, slot: int) -> tuple[int, int]:
+        """One image's rows of `piece` as embeddings; (output rows, llama_decode's code). Attention is
+        non-causal while an image whose positions see each other both ways decodes (whole: `check_images`)."""
+        if self._images is None:
+            self._images = BatchBuffer(self._lib, self._batch.capacity, int(self._lib.llama_model_n_embd(self._model)))
+        image = chunk.images[piece.image]
+        rows = np.asarray(image.features, dtype=np.float32)[piece.a - image.offset : piece.b - image.offset]
+        n_out = self._images.fill_embeddings(rows, chunk.start + piece.a, slot, output_flags(chunk, piece.a, piece.b))
+        if image.bidirectional:
+            self._lib.llama_set_causal_attn(self._ctx, False)
+        try:
+            return n_out, int(self._lib.llama_decode(self._ctx, self._images.raw))
+        finally:
+            if image.bidirectional:
+                self._lib.llama_set_causal_attn(self._ctx, True)
 
     def _logits_rows(self, n_out: int) -> np.ndarray:
         """llama.cpp's logits buffer as [n_out, n_vocab] float32, not copied; the view is cached per
@@ -387,6 +412,7 @@ class LlamaCppRunner(Runner):
             "model_path": str(self.path),
             "model": model_desc(lib, self._model) if not self._closed else None,
             "n_vocab": self.n_vocab,
+            "mmproj": str(self.vision.path) if self.vision is not None else None,
         }
         return info
 
@@ -398,6 +424,10 @@ class LlamaCppRunner(Runner):
         self._closed = True
         self._slots.clear()
         self._batch.free()
+        if self._images is not None:
+            self._images.free()
+        if self.vision is not None:  # before the model it was made for
+            self.vision.close()
         self._lib.llama_free(self._ctx)
         self._ctx = None
         if self._free_threadpool is not None:  # after the context that used it
@@ -452,6 +482,9 @@ class LlamaCppRunner(Runner):
             seen.add(c.seq_id)
             if min(c.tokens) < 0 or max(c.tokens) >= self.n_vocab:
                 raise ValueError(f"sequence {c.seq_id}: token id outside the vocabulary [0, {self.n_vocab})")
+            if c.images:
+                check_images(c, int(self._lib.llama_model_n_embd(self._model)),
+                             min(self._batch.capacity, int(self._lib.llama_n_ubatch(self._ctx))))
             length = self._length(c.seq_id)
             if c.start > length:
                 raise ValueError(
