@@ -11,10 +11,13 @@ import ctypes
 import functools
 import mmap
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 MADV_DONTNEED, MADV_WILLNEED = 4, 3
+PRESENT = 1 << 63  # /proc/self/pagemap: the page is mapped in this process
 Range = tuple[int, int]
 
 
@@ -85,14 +88,18 @@ class PagerStats:
     locked_bytes: int = 0  # dense bytes mlock accepted (0 where RLIMIT_MEMLOCK is small)
     trims: int = 0
     peak_file: int = 0  # most file bytes mapped at the end of a step, before its trim (since `reset_peak`)
+    hits: int = 0  # experts a step needed whose pages were all mapped (`need`)
+    misses: int = 0
 
 
 class ExpertPager:
     """One mapped model's expert pages kept under `bound` bytes. Build it with `attach` right after
     llama.cpp loaded the model; call `after_step` after every llama_decode."""
 
-    def __init__(self, dense: list[Range], experts: list[Range], bound: int, stats: PagerStats):
+    def __init__(self, dense: list[Range], experts: list[Range], bound: int, stats: PagerStats,
+                 slices: dict[int, list[tuple[int, int]]] | None = None):
         self._dense, self._experts, self.bound, self.stats = dense, experts, bound, stats
+        self._slices = slices or {}  # layer -> (address, bytes of one expert) of each expert tensor
         self._lock_dense()
         self._floor = self.trim()
 
@@ -108,6 +115,7 @@ class ExpertPager:
             return None
         dense: list[Range] = []
         experts: list[Range] = []
+        slices: dict[int, list[tuple[int, int]]] = {}
         stats = PagerStats()
         for info in GGUFContents(path).tensors.values():
             addr = _address(vmas, info.offset, info.nbytes)
@@ -116,9 +124,12 @@ class ExpertPager:
             (experts if is_expert(info.name) else dense).append((addr, addr + info.nbytes))
             if is_expert(info.name):
                 stats.expert_bytes += info.nbytes
+                layer = re.match(r"blk\.(\d+)\.", info.name)
+                if layer:  # ggml's last dimension counts the experts
+                    slices.setdefault(int(layer[1]), []).append((addr, info.nbytes // info.ne[-1]))
             else:
                 stats.dense_bytes += info.nbytes
-        return cls(_pages(dense), _pages(experts), bound, stats)
+        return cls(_pages(dense), _pages(experts), bound, stats, slices)
 
     def _lock_dense(self) -> None:
         libc = _libc()
@@ -137,12 +148,28 @@ class ExpertPager:
         return rss_file()
 
     def describe(self) -> dict[str, int]:
-        """Sizes in MiB and the number of trims, for the runner's `describe()`."""
+        """Sizes in MiB, trims and expert hits and misses, for the runner's `describe()`."""
         mib = 2**20
         s = self.stats
         return {"bound_mb": round(self.bound / mib), "dense_mb": round(s.dense_bytes / mib),
                 "experts_mb": round(s.expert_bytes / mib), "locked_mb": round(s.locked_bytes / mib), "trims": s.trims,
-                "peak_file_mb": round(s.peak_file / mib)}
+                "peak_file_mb": round(s.peak_file / mib), "hits": s.hits, "misses": s.misses}
+
+    def need(self, layer: int, experts: Iterable[int]) -> None:
+        """Count the experts a step is about to read in `layer` as hits (every page mapped) or misses."""
+        size = mmap.PAGESIZE
+        with open("/proc/self/pagemap", "rb") as f:
+            for e in experts:
+                mapped = True
+                for addr, nbytes in self._slices.get(layer, []):
+                    lo, hi = (addr + e * nbytes) // size, (addr + (e + 1) * nbytes - 1) // size
+                    f.seek(lo * 8)
+                    words = memoryview(f.read((hi - lo + 1) * 8)).cast("Q")
+                    mapped = mapped and all(w & PRESENT for w in words)
+                if mapped:
+                    self.stats.hits += 1
+                else:
+                    self.stats.misses += 1
 
     def reset_peak(self) -> None:
         """Start `stats.peak_file` again (a prompt maps every expert; decode steps map their top-k)."""
