@@ -34,6 +34,7 @@ from gguf_convert import convert  # noqa: E402
 from twinfer.backends.cuda.runner import load_torch_runner  # noqa: E402
 from twinfer.backends.llamacpp.options import LlamaCppOptions  # noqa: E402
 from twinfer.backends.llamacpp.runner import LlamaCppRunner  # noqa: E402
+from twinfer.backends.llamacpp.vision import LlamaCppVision  # noqa: E402
 
 KL_LIMIT = 0.01
 BLOCK = 16
@@ -101,7 +102,7 @@ def gguf_files() -> tuple[Path, Path]:
 
 @cache
 def llama() -> LlamaCppRunner:
-    r = LlamaCppRunner(gguf_files()[0], LlamaCppOptions(n_ctx=512, max_seqs=4, n_threads=2))
+    r = LlamaCppRunner(gguf_files()[0], LlamaCppOptions(n_ctx=512, max_seqs=4, n_threads=2, mmproj="auto"))
     assert r.vision is not None, "the sibling mmproj-tiny.gguf was not picked up"
     return r
 
@@ -262,3 +263,23 @@ def test_projector_options(tmp_path: Path) -> None:
         assert r.vision is None and r.describe()["mmproj"] is None
     finally:
         r.close()
+
+
+def test_sessions_take_the_projector_beside_the_model() -> None:
+    """`--mmproj` reaches the runner through OpenOptions: auto (the default) finds the sibling, off and a
+    path do what they say; a missing file, or one for a Hugging Face checkpoint, is refused before loading."""
+    from twinfer.app import OpenOptions, open_session
+    from twinfer.runtime.errors import OptionError
+
+    model, mmproj = gguf_files()
+    for given, expected in (("auto", mmproj), ("off", None), (str(mmproj), mmproj)):
+        session = open_session(OpenOptions(str(model), "llamacpp", ctx=64, threads=1, mmproj=given))
+        try:
+            vision = session.opened.runner.vision
+            assert (vision.path if isinstance(vision, LlamaCppVision) else None) == expected
+        finally:
+            session.close()
+    with pytest.raises(OptionError, match="--mmproj: no file"):
+        OpenOptions(str(model), mmproj=str(model.parent / "missing.gguf"))
+    with pytest.raises(OptionError, match="a Hugging Face checkpoint carries its vision tower"):
+        open_session(OpenOptions(str(hf_folder()), "torch", mmproj=str(mmproj)))

@@ -92,6 +92,7 @@ class RunnerOptions:
     expert_cache_bytes: int | None = None  # torch / MLX: routed experts streamed through a cache this size
     placement: Placement | None = None  # llama.cpp: a plan's GPU layers, host-memory experts and KV type
     compose: Composition | None = None  # a vision encoder from another checkpoint (runtime/vision/compose.py)
+    mmproj: str = "auto"  # llama.cpp: the projector file images go through; auto: a sibling mmproj*.gguf; off
 
     def __post_init__(self) -> None:
         from twinfer.backends.llamacpp.options import RUN_MODES  # no llama_cpp import: a table and a policy
@@ -115,6 +116,12 @@ class RunnerOptions:
         if self.placement is not None and self.backend not in ("auto", "llamacpp"):
             raise OptionError(f"a llama.cpp placement applies to the llamacpp backend, not {self.backend}",
                               field="placement")
+        if self.mmproj not in ("auto", "off"):
+            if self.backend not in ("auto", "llamacpp"):
+                raise OptionError(f"--mmproj is a projector file for a GGUF model on llama.cpp, not {self.backend}: "
+                                  "a Hugging Face checkpoint carries its vision tower", field="mmproj")
+            if not Path(self.mmproj).expanduser().is_file():
+                raise OptionError(f"--mmproj: no file {self.mmproj}", field="mmproj")
 
 
 def resolve_model(model: str | None) -> tuple[Path, Composition | None]:
@@ -209,8 +216,9 @@ def llamacpp_options(loaded: LoadedModel, o: RunnerOptions) -> LlamaCppOptions:
 
         kv_bytes = KV_TYPE_BYTES.get(o.kv_type or "f16", 2.0)
         streams = streams_fit(loaded.spec.kv_bytes_per_token(kv_bytes), o.max_seqs, o.ctx, read_host().memory_bytes)
-    return options_for_mode(o.mode, n_ctx=o.ctx, max_seqs=o.max_seqs, n_threads=o.threads, kv_type=o.kv_type,
-                            streams=streams, placement=o.placement)
+    llama = options_for_mode(o.mode, n_ctx=o.ctx, max_seqs=o.max_seqs, n_threads=o.threads, kv_type=o.kv_type,
+                             streams=streams, placement=o.placement)
+    return replace(llama, mmproj=o.mmproj)
 
 
 def _streaming_runner(loaded: LoadedModel, o: RunnerOptions) -> Runner:

@@ -48,6 +48,7 @@ class OpenOptions:
     hardware: Cluster | None = None  # what a budget is planned on; None: the probed host
     kv_layout: str = "auto"  # llama.cpp's KV cache: auto, unified or streams (app.models.streams_fit)
     mode: RunMode | None = None  # the runner's numerics; None: from batch_invariant and speculate (`run_mode`)
+    mmproj: str = "auto"  # llama.cpp: the projector file images go through (auto: a sibling mmproj*.gguf; off)
 
     def __post_init__(self) -> None:
         self.runner_options()  # the runner's limits, and a typo in --speculate, fail before anything loads
@@ -70,7 +71,7 @@ class OpenOptions:
     def runner_options(self, backend: str = "auto", ctx: int | None = None) -> RunnerOptions:
         """The runner these options ask for (on `backend`, for `ctx` tokens once those are resolved)."""
         return RunnerOptions(backend=backend, max_seqs=self.max_seqs, ctx=ctx or self.ctx, threads=self.threads,
-                             mode=self.run_mode, kv_layout=self.kv_layout, parallel=self.parallel)
+                             mode=self.run_mode, kv_layout=self.kv_layout, parallel=self.parallel, mmproj=self.mmproj)
 
 
 @dataclass
@@ -108,6 +109,11 @@ def open_session(options: OpenOptions) -> Session:
         check_width(composition, loaded.spec)  # before any weight is read
     ctx = o.ctx or default_context(loaded)
     runner_options, strategy = replace(o.runner_options(backend, ctx), compose=composition), None
+    if backend == "llamacpp" and o.mmproj == "auto":  # beside the user's file: a budget may run a copy elsewhere
+        from twinfer.backends.llamacpp.vision import projector_path
+
+        found = projector_path(path, "auto", loaded.spec.hidden_size)
+        runner_options = replace(runner_options, mmproj=str(found) if found else "off")
     if o.memory_budget is not None:
         request = BudgetRequest(parse_budget(o.memory_budget), ctx, o.max_seqs, o.allow_pruning, o.threads, o.hardware,
                                 ctx_given=o.ctx is not None)

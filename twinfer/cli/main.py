@@ -45,6 +45,9 @@ AllowPruningOpt = Annotated[
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (torch backend; one process each).")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel groups for MoE models (torch backend).")]
 PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline stages (torch backend; contiguous layers each).")]
+MmprojOpt = Annotated[str, typer.Option(
+    "--mmproj", help="llama.cpp: the projector file (mmproj GGUF) a GGUF model reads images through; 'auto' takes "
+    "the one mmproj*.gguf beside the model that fits it, 'off' none.")]
 MaxBatchTokensOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     "--max-batch-tokens", help="Tokens one engine step computes, prompt chunks and decodes together (default: the "
     "runner's: 2048 on llama.cpp, as llama-server's batch; 512 otherwise). Lower cuts the inter-token pause while "
@@ -72,6 +75,7 @@ def generate(
     pp: PpOpt = 1,
     memory_budget: MemoryBudgetOpt = None,
     allow_pruning: AllowPruningOpt = False,
+    mmproj: MmprojOpt = "auto",
 ) -> None:
     """Stream a completion of PROMPT to stdout."""
     from twinfer.app import OpenOptions
@@ -82,7 +86,7 @@ def generate(
     text = prompt if prompt is not None else model_or_prompt
     run_generate(GenerateOptions(
         OpenOptions(model, backend, max_seqs=1, threads=threads, speculate=speculate, parallel=(tp, ep, pp),
-                    memory_budget=memory_budget, allow_pruning=allow_pruning),
+                    memory_budget=memory_budget, allow_pruning=allow_pruning, mmproj=mmproj),
         prompt=text, chat=chat,
         sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)))
 
@@ -184,6 +188,7 @@ def chat(
     memory_budget: MemoryBudgetOpt = None,
     allow_pruning: AllowPruningOpt = False,
     speculate: SpeculateOpt = "off",
+    mmproj: MmprojOpt = "auto",
 ) -> None:
     """Chat with a model in a terminal UI (Esc stops a reply, Ctrl+R regenerates, Ctrl+S settings, Ctrl+Q quits)."""
     from twinfer.cli.chat_cmd import run_chat
@@ -192,7 +197,7 @@ def chat(
     from twinfer.tui.conversation import DEFAULT_SYSTEM, Settings
 
     load = LoadOptions(model, backend, ctx=ctx, threads=threads, template=template, memory_budget=memory_budget,
-                       allow_pruning=allow_pruning, speculate=speculate)
+                       allow_pruning=allow_pruning, speculate=speculate, mmproj=mmproj)
     settings = Settings(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     run_chat(ChatOptions(load, DEFAULT_SYSTEM if system is None else system, settings, resume), data_dir)
 
@@ -260,6 +265,7 @@ def serve(
     max_images: Annotated[int, typer.Option("--max-images", help="Image parts one request may carry.")] = 8,
     max_image_mb: Annotated[float, typer.Option("--max-image-mb", help="Largest encoded image accepted (413 above); "
                                                 "inline images also count against --max-body-mb.")] = 10.0,
+    mmproj: MmprojOpt = "auto",
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from twinfer.app import OpenOptions
@@ -267,7 +273,7 @@ def serve(
 
     open_options = OpenOptions(model, backend, max_seqs=max_seqs, ctx=ctx, threads=threads, speculate=speculate,
                                parallel=(tp, ep, pp), memory_budget=memory_budget, allow_pruning=allow_pruning,
-                               batch_invariant=batch_invariant, kv_layout=kv_layout)
+                               batch_invariant=batch_invariant, kv_layout=kv_layout, mmproj=mmproj)
     run_serve(ServeOptions(
         open_options, host=host, port=port, api_key=api_key, max_queue=max_queue, served_model_name=served_model_name,
         drain_timeout=drain_timeout, max_body_mb=max_body_mb, log_level=log_level, repetition_guard=repetition_guard,

@@ -104,6 +104,7 @@ class LoadOptions:
     memory_budget: str | None = None  # --memory-budget: open through the app layer's local strategy
     allow_pruning: bool = False
     speculate: str = "off"  # --speculate: off, ngram, draft:PATH or self:N
+    mmproj: str = "auto"  # --mmproj: a GGUF model's projector file, auto (a sibling mmproj*.gguf) or off
 
     def __post_init__(self) -> None:
         if self.ctx < 64:  # a chat turn's history and reply need room; the runner's own limit is lower
@@ -116,7 +117,7 @@ class LoadOptions:
 
         return OpenOptions(model or self.model, backend or self.backend, max_seqs=2, ctx=self.ctx,
                            threads=self.threads, speculate=self.speculate, memory_budget=self.memory_budget,
-                           allow_pruning=self.allow_pruning)
+                           allow_pruning=self.allow_pruning, mmproj=self.mmproj)
 
 
 def load_backend(options: LoadOptions, progress: Progress) -> EngineBackend:

@@ -15,8 +15,7 @@ from twinfer.runtime.batch import LogitsWanted, SeqChunk
 
 @dataclass(frozen=True)
 class Piece:
-    """Tokens [a, b) of chunk `chunk`, decoded in one window; `image` >= 0: they are rows of that entry of
-    `chunk.images`, decoded as embeddings, alone in their window."""
+    """Tokens [a, b) of chunk `chunk` in one window; `image` >= 0: rows of that `chunk.images` entry."""
 
     chunk: int
     a: int
@@ -25,8 +24,7 @@ class Piece:
 
 
 def plan_windows(chunks: list[SeqChunk], capacity: int) -> list[list[Piece]]:
-    """Split the chunks' tokens, in order, into windows of at most `capacity` tokens; image rows take
-    windows of their own, so each sequence's positions still reach llama.cpp in order."""
+    """Split the chunks' tokens, in order, into windows of at most `capacity` tokens, image rows alone."""
     windows: list[list[Piece]] = [[]]
     room = capacity
     for i, chunk in enumerate(chunks):
@@ -72,8 +70,7 @@ def output_flags(chunk: SeqChunk, a: int, b: int) -> np.ndarray:
 
 
 class BatchBuffer:
-    """One `llama_batch_init` allocation, refilled every window instead of allocated per step: of token ids,
-    or with `n_embd` of embeddings (`fill_embeddings`)."""
+    """One `llama_batch_init` allocation (of ids, or with `n_embd` of embeddings), refilled every window."""
 
     def __init__(self, lib: ModuleType, capacity: int, n_embd: int = 0):
         self._lib = lib
@@ -135,8 +132,8 @@ class BatchBuffer:
 
 
 def check_images(chunk: SeqChunk, n_embd: int, whole_limit: int) -> None:
-    """Refuse image rows outside the chunk, overlapping, of another width, or a bidirectional image that
-    one llama.cpp ubatch (`whole_limit` rows) cannot hold: its rows see each other only inside one."""
+    """Refuse image rows outside the chunk, overlapping, of another width, or bidirectional beyond one
+    ubatch (`whole_limit` rows): llama.cpp's rows see each other only inside one."""
     at = 0
     for im in sorted(chunk.images, key=lambda e: e.offset):
         shape: tuple[int, ...] = tuple(getattr(im.features, "shape", ()))
@@ -149,3 +146,18 @@ def check_images(chunk: SeqChunk, n_embd: int, whole_limit: int) -> None:
             raise ValueError(f"sequence {chunk.seq_id}: an image of {im.rows} rows attends both ways, but one "
                              f"llama.cpp batch holds {whole_limit}; raise n_batch and n_ubatch")
         at = im.offset + im.rows
+
+
+def decode_image(lib: ModuleType, ctx: Any, buffer: BatchBuffer, chunk: SeqChunk, piece: Piece,
+                 slot: int) -> tuple[int, int]:
+    """One image's rows of `piece` as embeddings, non-causal if bidirectional; (output rows, llama_decode's code)."""
+    image = chunk.images[piece.image]
+    rows = np.asarray(image.features, dtype=np.float32)[piece.a - image.offset : piece.b - image.offset]
+    n_out = buffer.fill_embeddings(rows, chunk.start + piece.a, slot, output_flags(chunk, piece.a, piece.b))
+    if image.bidirectional:
+        lib.llama_set_causal_attn(ctx, False)
+    try:
+        return n_out, int(lib.llama_decode(ctx, buffer.raw))
+    finally:
+        if image.bidirectional:
+            lib.llama_set_causal_attn(ctx, True)

@@ -37,7 +37,7 @@ class LlamaCppOptions:
     # weights mapped, dense ones resident, routed experts' pages held under this many bytes (paging.py)
     paged_experts_bytes: int | None = None
     placement: Placement | None = None  # a plan's GPU layers and expert tensors (offload.py); None: llama.cpp's
-    mmproj: str = "auto"  # the projector file images go through (vision.py): a path, "off", or "auto" (a sibling)
+    mmproj: str = "off"  # the projector file images go through (vision.py): a path, "off", or "auto" (a sibling)
     verbose: bool = False
 
     def __post_init__(self) -> None:

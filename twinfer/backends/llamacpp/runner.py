@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from twinfer.backends.llamacpp import hugepages, paging
-from twinfer.backends.llamacpp._batch import BatchBuffer, Piece, check_images, output_flags, plan_windows
+from twinfer.backends.llamacpp._batch import BatchBuffer, check_images, decode_image, plan_windows
 from twinfer.backends.llamacpp._lib import (
     MemoryOps,
     address_function,
@@ -31,7 +31,7 @@ from twinfer.backends.llamacpp.metadata import model_desc, model_spec
 from twinfer.backends.llamacpp.offload import AppliedPlacement, apply_placement
 from twinfer.backends.llamacpp.options import BLOCK_SIZE, KV_TYPES, LlamaCppOptions
 from twinfer.backends.llamacpp.slots import SlotKVSync
-from twinfer.backends.llamacpp.vision import LlamaCppVision, projector_path
+from twinfer.backends.llamacpp.vision import LlamaCppVision, open_projector
 from twinfer.runtime.batch import LogitsWanted, SeqChunk, StepBatch
 from twinfer.runtime.cpu import default_threads, thp_mode
 from twinfer.runtime.errors import ModelError
@@ -178,9 +178,6 @@ class LlamaCppRunner(Runner):
             self._mem = MemoryOps.for_context(lib, self._ctx)
             self._batch = BatchBuffer(lib, int(lib.llama_n_batch(self._ctx)))
             self._free_threadpool = attach_threadpool(lib, self._ctx, self.n_threads)
-            mmproj = projector_path(self.path, o.mmproj, int(lib.llama_model_n_embd(self._model)))
-            if mmproj is not None:
-                self.vision = LlamaCppVision(lib, self._model, mmproj, n_threads=self.n_threads, verbose=o.verbose)
         except BaseException:
             lib.llama_free(self._ctx)
             self._free_model()
@@ -193,6 +190,11 @@ class LlamaCppRunner(Runner):
         self.n_ctx = int(lib.llama_n_ctx(self._ctx))
         self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
         self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
+        try:
+            self.vision = open_projector(lib, self._model, self.path, o.mmproj, self.spec, self.n_threads, o.verbose)
+        except BaseException:
+            self.close()
+            raise
         # llama.cpp rounds the cache up (to a multiple of 256 cells): report the real capacity
         seq_tokens = None if unified_kv else self.n_ctx // max_seqs
         # recurrent/hybrid state cannot be cut back to a position: no prefix copies, no drafts
@@ -260,8 +262,9 @@ class LlamaCppRunner(Runner):
         out = None if borrow and len(windows) == 1 else np.empty((batch.num_logit_rows, self.n_vocab), np.float32)
         row = 0
         for pieces in windows:
-            if pieces[0].image >= 0:
-                n_out, code = self._decode_image(chunks[pieces[0].chunk], pieces[0], slots[pieces[0].chunk])
+            if pieces[0].image >= 0:  # an image's rows: embeddings, in a batch of their own
+                n_out, code = decode_image(self._lib, self._ctx, self._image_batch(), chunks[pieces[0].chunk],
+                                           pieces[0], slots[pieces[0].chunk])
             else:
                 n_out = self._batch.fill(chunks, pieces, slots)
                 code = int(self._lib.llama_decode(self._ctx, self._batch.raw))
@@ -280,21 +283,10 @@ class LlamaCppRunner(Runner):
             row += n_out
         return out if out is not None else np.empty((0, self.n_vocab), np.float32)
 
-    def _decode_image(self, chunk: SeqChunk, piece: Piece, slot: int) -> tuple[int, int]:
-        """One image's rows of `piece` as embeddings; (output rows, llama_decode's code). Attention is
-        non-causal while an image whose positions see each other both ways decodes (whole: `check_images`)."""
+    def _image_batch(self) -> BatchBuffer:
         if self._images is None:
             self._images = BatchBuffer(self._lib, self._batch.capacity, int(self._lib.llama_model_n_embd(self._model)))
-        image = chunk.images[piece.image]
-        rows = np.asarray(image.features, dtype=np.float32)[piece.a - image.offset : piece.b - image.offset]
-        n_out = self._images.fill_embeddings(rows, chunk.start + piece.a, slot, output_flags(chunk, piece.a, piece.b))
-        if image.bidirectional:
-            self._lib.llama_set_causal_attn(self._ctx, False)
-        try:
-            return n_out, int(self._lib.llama_decode(self._ctx, self._images.raw))
-        finally:
-            if image.bidirectional:
-                self._lib.llama_set_causal_attn(self._ctx, True)
+        return self._images
 
     def _logits_rows(self, n_out: int) -> np.ndarray:
         """llama.cpp's logits buffer as [n_out, n_vocab] float32, not copied; the view is cached per

@@ -1,14 +1,6 @@
-"""The llama.cpp runner's `VisionTower`: a projector file (an mmproj GGUF, as llama.cpp's converter writes it
-with `--mmproj`) read through libmtmd, the multimodal library llama-cpp-python vendors.
-
-mtmd preprocesses and encodes an image into feature rows in the language model's width; the runner decodes
-them as embeddings where the prompt holds the image's placeholders (runner.py). The prompt side follows the
-family's processor, as the torch and MLX towers do: Gemma 3's `<start_of_image>` becomes "\\n\\n" +
-`<start_of_image>` + one `<image_soft_token>` per feature row + `<end_of_image>` + "\\n\\n", newline runs
-merged as the tokenizer merges them; the row count is mtmd's. Images are resized to the tower's square
-size as the family's processor does (Pillow bilinear, stretched), not letterboxed as llama-server does,
-so both runners see the same pixels. See docs/images.md.
-"""
+"""The llama.cpp runner's `VisionTower`: a projector file (mmproj GGUF) read through libmtmd. Prompts are
+expanded as the family's (`Architecture.image_text`) with mtmd's row count; images are resized as the
+processor does (stretched), not letterboxed as llama-server does (docs/images.md)."""
 
 from __future__ import annotations
 
@@ -24,18 +16,15 @@ import numpy as np
 from twinfer.backends.llamacpp._lib import _noop_log_callback
 from twinfer.runtime.errors import BackendUnavailable, ModelError
 from twinfer.runtime.loaders.gguf_reader import GGUFContents
+from twinfer.runtime.spec import ModelSpec
 from twinfer.runtime.vision import Image, ImageSpan
 
-# Projector types whose prompt expansion twinfer knows: the text around each image's placeholder run.
-WRAP = {"gemma3": "\n\n"}
-PLACEHOLDER = {"gemma3": "<image_soft_token>"}
 MAX_NEWLINES = 32  # newline runs shorter than this may be single tokens (Gemma's vocabulary has up to 31)
 _IMAGE_CHUNK = 1  # MTMD_INPUT_CHUNK_TYPE_IMAGE
 
 
 def projector_path(model: Path, mmproj: str, width: int) -> Path | None:
-    """The projector file for the GGUF `model`: `mmproj` itself, None for "off", or for "auto" the one
-    `mmproj*.gguf` beside the model whose projection width is the model's `width` (None otherwise)."""
+    """`mmproj`, None for "off", or for "auto" the one `mmproj*.gguf` beside `model` of its `width`."""
     if mmproj == "off":
         return None
     if mmproj != "auto":
@@ -53,6 +42,18 @@ def projector_path(model: Path, mmproj: str, width: int) -> Path | None:
     return siblings[0] if meta.get("clip.vision.projection_dim") == width else None
 
 
+def open_projector(lib: ModuleType, model: Any, path: Path, mmproj: str, spec: ModelSpec, n_threads: int,
+                   verbose: bool) -> LlamaCppVision | None:
+    """The tower for the runner's `model` (the GGUF at `path`), or None where `mmproj` finds no projector."""
+    from twinfer.runtime.models import architecture
+
+    found = projector_path(path, mmproj, int(lib.llama_model_n_embd(model)))
+    if found is None:
+        return None
+    arch = architecture(spec.model_type)
+    return LlamaCppVision(lib, model, found, arch.image_text if arch else None, n_threads=n_threads, verbose=verbose)
+
+
 @contextmanager
 def _chunks(mt: ModuleType) -> Iterator[Any]:
     chunks = mt.mtmd_input_chunks_init()
@@ -63,20 +64,19 @@ def _chunks(mt: ModuleType) -> Iterator[Any]:
 
 
 class LlamaCppVision:
-    """A `VisionTower` over one mtmd context, made for the runner's model; freed by `close`. Called from
-    the engine's thread only (mtmd keeps the last encoding in the context)."""
+    """A `VisionTower` over one mtmd context made for the runner's model, used from the engine's thread."""
 
-    def __init__(self, lib: ModuleType, model: Any, path: Path, *, n_threads: int, verbose: bool = False):
+    def __init__(self, lib: ModuleType, model: Any, path: Path, image_text: tuple[str, str] | None, *,
+                 n_threads: int, verbose: bool = False):
         mt = _load_mtmd()
         contents = GGUFContents(path)
         meta = contents.metadata
-        kind = str(meta.get("clip.projector_type", ""))
         if meta.get("general.architecture") != "clip" or not meta.get("clip.has_vision_encoder"):
             raise ModelError(f"{path} is not a projector with a vision encoder (an mmproj GGUF); pass the model's "
                              "mmproj file")
-        if kind not in WRAP:
-            raise ModelError(f"{path}: twinfer reads images through llama.cpp for {', '.join(WRAP)} projectors, "
-                             f"not {kind or 'this one'}")
+        if image_text is None:
+            raise ModelError(f"{path}: twinfer does not know how this model's prompts place images; it reads "
+                             "images through llama.cpp for the families in docs/images.md")
         if not verbose:
             quiet = _noop_log_callback(lib)
             mt.mtmd_log_set(quiet, ctypes.c_void_p(0))
@@ -91,23 +91,21 @@ class LlamaCppVision:
                              f"made for another model (its width must be the model's {lib.llama_model_n_embd(model)})")
         self._mt, self._lib, self._ctx = mt, lib, ctx
         self.path = path
-        self.kind = kind
         self.image_size = int(meta.get("clip.vision.image_size", 0))
         self.n_embd = int(lib.llama_model_n_embd(model))
         self.bidirectional = bool(mt.mtmd_decode_use_non_causal(ctx, None))
         self._bytes = sum(t.nbytes for t in contents.tensors.values())
         self._vocab = lib.llama_model_get_vocab(model)
-        self.wrap = self._tokenize(WRAP[kind])
+        self.wrap = self._tokenize(image_text[0])
         self.newlines = {ids[0]: n for n in range(1, MAX_NEWLINES) if len(ids := self._tokenize("\n" * n)) == 1}
         probe = Image(np.zeros((max(self.image_size, 1),) * 2 + (3,), np.uint8))
         self.begin, _, self.end = self._layout(probe)
-        found = self._tokenize(PLACEHOLDER[kind])
+        found = self._tokenize(image_text[1])
         self.placeholder = found[0] if len(found) == 1 else self.begin
 
     # -- VisionTower -------------------------------------------------------------------------------
     def expand(self, tokens: list[int], images: list[Image]) -> tuple[list[int], list[ImageSpan]]:
-        """Each `<start_of_image>` (mtmd's image-begin token) becomes the family's run, with as many
-        placeholders as mtmd makes feature rows for that image."""
+        """Each image-begin token (mtmd's, Gemma's `<start_of_image>`) becomes the family's run."""
         markers = [i for i, t in enumerate(tokens) if t == self.begin]
         if len(markers) != len(images):
             raise ValueError(f"the prompt has {len(markers)} image markers for {len(images)} images; give one image "
@@ -141,11 +139,10 @@ class LlamaCppVision:
             return np.ctypeslib.as_array(out, shape=(rows, self.n_embd)).copy()
 
     def weight_bytes(self) -> int:
-        """Bytes of the projector file's tensors (encoder and projector) as stored."""
         return self._bytes
 
     def close(self) -> None:
-        """Free the mtmd context (before the model it was made for). Safe to call twice."""
+        """Free the mtmd context (before its model). Safe to call twice."""
         if self._ctx:
             self._mt.mtmd_free(self._ctx)
             self._ctx = None
@@ -156,7 +153,7 @@ class LlamaCppVision:
             raise RuntimeError("this llama.cpp vision tower is closed")
 
     def _tokenize(self, text: str) -> list[int]:
-        """`text`'s ids in the model's vocabulary, specials parsed, none added."""
+        """`text`'s ids, specials parsed, none added."""
         data = text.encode()
         buf = (ctypes.c_int32 * (len(data) + 8))()
         n = int(self._lib.llama_tokenize(self._vocab, data, len(data), buf, len(buf), False, True))
@@ -165,7 +162,6 @@ class LlamaCppVision:
         return list(buf[:n])
 
     def _pixels(self, image: Image) -> np.ndarray:
-        """The pixels mtmd gets: resized to the tower's square size as the family's processor does."""
         from twinfer.runtime.vision.gemma3 import resize_bilinear
 
         side = self.image_size
@@ -224,8 +220,7 @@ class LlamaCppVision:
         return parts[0][-1], parts[1], parts[2]
 
     def _merge_newlines(self, ids: list[int], inserted: list[bool]) -> list[int]:
-        """Each run of newline tokens that an expansion touched, tokenized again as one run (the processor
-        tokenizes the expanded text, so "\\n" + "\\n\\n" is one "\\n\\n\\n" token in Gemma's vocabulary)."""
+        """Newline runs an expansion touched, tokenized again as one run, as the processor's tokenizer does."""
         out: list[int] = []
         i = 0
         while i < len(ids):

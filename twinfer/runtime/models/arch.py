@@ -41,3 +41,5 @@ class Architecture:
     chat_template: str | None = None  # for model files that carry none (Gemma 3 GGUFs)
     # (folder, config.json, spec, a backend's Ops) -> the checkpoint's vision tower; None where it has none
     vision: Callable[[Path, dict[str, Any], ModelSpec, Ops], VisionTower | None] | None = None
+    # (text around one image's placeholder run, the placeholder token) for a projector file's runner (llama.cpp)
+    image_text: tuple[str, str] | None = None

@@ -174,4 +174,5 @@ ARCH = Architecture(
     gguf_spec=gguf_spec,
     chat_template=CHAT_TEMPLATE,
     vision=open_vision,
+    image_text=("\n\n", "<image_soft_token>"),
 )
