@@ -283,3 +283,20 @@ def test_sessions_take_the_projector_beside_the_model() -> None:
         OpenOptions(str(model), mmproj=str(model.parent / "missing.gguf"))
     with pytest.raises(OptionError, match="a Hugging Face checkpoint carries its vision tower"):
         open_session(OpenOptions(str(hf_folder()), "torch", mmproj=str(mmproj)))
+
+
+def test_image_rows_llamacpp_cannot_take_are_refused() -> None:
+    """Features of another width, and a bidirectional image longer than one ubatch (its rows would not see
+    each other), fail before anything is decoded."""
+    r = LlamaCppRunner(gguf_files()[0], LlamaCppOptions(n_ctx=64, max_seqs=1, n_threads=1, n_batch=8, n_ubatch=8))
+    try:
+        tokens = [2, *[8] * 16, 20]
+        for features, message in ((np.zeros((16, 32), np.float32), "not \\[rows, 64\\]"),
+                                  (np.zeros((16, 64), np.float32), "one llama.cpp batch holds 8")):
+            with pytest.raises(ValueError, match=message):
+                r.step(StepBatch([SeqChunk(0, tokens, 0, images=[ChunkImage(1, features, True)])]))
+        assert r.num_stored(0) == 0
+        causal = ChunkImage(1, np.zeros((16, 64), np.float32), False)  # causal rows may span ubatches
+        assert r.step(StepBatch([SeqChunk(0, tokens, 0, images=[causal])])).shape == (1, VOCAB_SIZE)
+    finally:
+        r.close()
