@@ -43,6 +43,8 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def apply_penalties(logits: np.ndarray, row: RowState) -> np.ndarray:
     """HF-style repetition penalty (prompt and output) plus OpenAI presence/frequency penalties."""
     p = row.params
+    if p.repetition_penalty == 1.0 and not (row.output_counts and (p.presence_penalty or p.frequency_penalty)):
+        return logits
     out = logits.astype(np.float32, copy=True)
     if p.repetition_penalty != 1.0:
         seen = np.fromiter(set(row.prompt_tokens) | set(row.output_counts), dtype=np.int64)
@@ -98,7 +100,64 @@ def sample_row(logits: np.ndarray, row: RowState) -> int:
     """One token from one row of (penalized) logits, using the row's own generator."""
     if is_greedy(row):  # dividing by a vanishing temperature overflows; it is greedy anyway
         return int(np.argmax(logits))
-    return draw(*filtered(logits, row), row.rng)
+    token = _sample_head(logits, row)
+    return token if token is not None else draw(*filtered(logits, row), row.rng)
+
+
+# Tokens more than this many temperatures below the best logit weigh < e^-20 each against the best's 1.
+HEAD_NATS = 20.0
+
+
+def _sample_head(logits: np.ndarray, row: RowState) -> int | None:
+    """`filtered` then `draw`'s distribution, computed over the head (the tokens within HEAD_NATS
+    temperatures of the best) instead of the whole vocabulary; None where only the tail could decide.
+    The tail's total weight is at most B = tail size x e^-HEAD_NATS: a full-vocabulary draw picks the
+    head with u < H / (H + B) and otherwise draws once more from the exact remainder (docs/architecture.md, "One engine step")."""
+    p = row.params
+    temperature = p.temperature if row.temperature is None else row.temperature
+    best = float(logits.max())
+    if not np.isfinite(best):
+        return None
+    head = np.flatnonzero(logits >= best - HEAD_NATS * temperature)
+    tail = logits.shape[0] - head.size
+    if 0 < p.top_k < logits.shape[0]:
+        if p.top_k > head.size:
+            return None
+        head = head[np.argpartition(-logits[head], p.top_k - 1)[: p.top_k]]
+        tail = 0  # the k best are all in the head; filtered normalizes over them alone
+    if p.top_p < 1.0:
+        head = head[np.argsort(-logits[head], kind="stable")]
+    weights = np.exp((logits[head].astype(np.float64) - best) / temperature)
+    total, bound = float(weights.sum()), tail * float(np.exp(-HEAD_NATS))
+    if p.top_p < 1.0:
+        cum = np.cumsum(weights)
+        n = int(np.searchsorted(cum / total, p.top_p)) + 1
+        if bound and (n > head.size or int(np.searchsorted(cum / (total + bound), p.top_p)) + 1 != n):
+            return None  # the nucleus' edge depends on the tail's exact weight
+        head, weights, tail = head[:n], weights[:n], 0
+    if p.min_p > 0.0:
+        if tail and p.min_p < np.exp(-HEAD_NATS):
+            return None
+        keep = weights >= p.min_p * weights.max()
+        head, weights, tail = head[keep], weights[keep], 0
+    u = row.rng.random() * (float(weights.sum()) + (bound if tail else 0.0))
+    cum = np.cumsum(weights)
+    if u < cum[-1]:
+        return int(head[min(int(np.searchsorted(cum, u, side="right")), head.size - 1)])
+    return _draw_remainder(logits, row, head, weights, bound, temperature, best)
+
+
+def _draw_remainder(logits: np.ndarray, row: RowState, head: np.ndarray, weights: np.ndarray, bound: float,
+                    temperature: float, best: float) -> int:
+    """The rare branch of a full-vocabulary draw: head tokens keep weight w x (B - T) / (H + B) and tail
+    tokens their own (T: the tail's exact total), which makes each token's overall chance w / (H + T)."""
+    full = np.exp((logits.astype(np.float64) - best) / temperature)
+    in_head = np.zeros(full.shape[0], dtype=bool)
+    in_head[head] = True
+    head_total = float(weights.sum())
+    tail_total = float(full[~in_head].sum())
+    full[in_head] *= max(bound - tail_total, 0.0) / (head_total + bound)
+    return draw(np.arange(full.shape[0]), full / full.sum(), row.rng)
 
 
 def with_logprobs(token: int, logits: np.ndarray, top: int | None) -> Sampled:
