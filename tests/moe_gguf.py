@@ -8,12 +8,14 @@
   transformers' GptOss layout (tests/synthetic_gpt_oss.py) written shard by shard, so 1.9 GB costs one
   layer of memory.
 
-The tokenizer is gguf_convert's tiny byte-level BPE.
+The tokenizer is gguf_convert's tiny byte-level BPE. `routing="uniform"` gives either model routers that
+spread top-k evenly over tokens (`uniform_routing`): random weights favour a few experts, which flatters a cache.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,9 +34,11 @@ SHAPES = {
 }  # fmt: skip
 
 
-def write_qwen3_moe_gguf(folder: Path, shape: str = "tiny") -> Path:
+def write_qwen3_moe_gguf(folder: Path, shape: str = "tiny", routing: str = "random") -> Path:
     """`folder`/qwen3moe-`shape`-bf16.gguf (made once: an existing file is returned as it is)."""
     out = folder / f"qwen3moe-{shape}-bf16.gguf"
+    if routing == "uniform":
+        return uniform_routing(write_qwen3_moe_gguf(folder, shape), folder / f"qwen3moe-{shape}-uniform-bf16.gguf")
     if out.is_file():
         return out
     import torch
@@ -73,9 +77,11 @@ def gpt_oss_shape(shape: str) -> SyntheticGptOss:
                            sliding_window=128, vocab=TINY_VOCAB, dtype="BF16", **GPT_OSS_SHAPES[shape])
 
 
-def write_gpt_oss_gguf(folder: Path, shape: str = "20b-4l") -> Path:
+def write_gpt_oss_gguf(folder: Path, shape: str = "20b-4l", routing: str = "random") -> Path:
     """`folder`/gptoss-`shape`-mxfp4.gguf (made once: an existing file is returned as it is)."""
     out = folder / f"gptoss-{shape}-mxfp4.gguf"
+    if routing == "uniform":
+        return uniform_routing(write_gpt_oss_gguf(folder, shape), folder / f"gptoss-{shape}-uniform-mxfp4.gguf")
     if out.is_file():
         return out
     from tests.gguf_convert import convert, save_tiny_tokenizer
@@ -125,3 +131,76 @@ def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
     tensors = {k: torch.from_numpy(v) if v.dtype == np.uint8 else torch.from_numpy(v).to(torch.bfloat16)
                for k, v in arrays.items()}
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+CALIBRATION = (0, 1024, 256)  # vocabulary rounds (seed 1) the uniform routers are fitted on, windows from position 0
+ATTN_SCALE = 0.1  # a random model's attention adds one vector per sequence to every router input: shrink it
+
+
+def uniform_routing(src: Path, out: Path, passes: int = 2) -> Path:
+    """A copy of `src` whose routers spread top-k evenly: attention's output scaled by `ATTN_SCALE` (else each
+    sequence's attention average favours a few experts for all its tokens), then each layer's router refitted on
+    `CALIBRATION` as whitened principal directions with no mean, at the old logits' spread; `passes` rounds."""
+    if out.is_file():
+        return out
+    from twinfer.backends.llamacpp.routing import trace, vocabulary_text
+    from twinfer.runtime.loaders.gguf_reader import GGUFContents
+
+    tmp = out.with_suffix(".part")
+    shutil.copyfile(src, tmp)
+    first, stop, window = CALIBRATION
+    text = vocabulary_text(src, stop, seed=1)
+    tensors = GGUFContents(tmp).tensors
+    rng = np.random.default_rng(0)
+    data = np.memmap(tmp, np.uint8, "r+")
+    for info in tensors.values():
+        if info.name.endswith("attn_output.weight"):
+            _scale(data[info.offset : info.offset + info.nbytes], info.ggml_type, ATTN_SCALE)
+    for _ in range(passes):
+        inputs: dict[int, list[np.ndarray]] = {}
+        for at in range(first, stop, window):
+            for layer, rows in trace(tmp, text[at : at + window], [], capture=True)[0].inputs.items():
+                inputs.setdefault(layer, []).extend(rows)
+        for layer, rows in inputs.items():
+            info = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+            assert info.ggml_type == 0, f"{info.name}: F32 routers only"  # llama.cpp's converter keeps them F32
+            w = data[info.offset : info.offset + info.nbytes].view(np.float32).reshape(info.shape)
+            w[:] = _uniform_router(np.concatenate(rows), w, rng)
+            if f"blk.{layer}.ffn_gate_inp.bias" in tensors:  # gpt-oss: a bias would favour experts again
+                b = tensors[f"blk.{layer}.ffn_gate_inp.bias"]
+                data[b.offset : b.offset + b.nbytes] = 0
+        data.flush()
+    del data
+    tmp.rename(out)
+    return out
+
+
+def _scale(raw: np.ndarray, ggml_type: int, by: float) -> None:
+    """Multiply a GGUF tensor's bytes in place: F32, F16, BF16, or Q8_0 (its f16 block scales)."""
+    if ggml_type == 0:
+        raw.view(np.float32)[:] *= by
+    elif ggml_type == 1:
+        raw.view(np.float16)[:] *= by
+    elif ggml_type == 30:  # BF16: the top half of a float32
+        u = raw.view(np.uint16)
+        u[:] = (((u.astype(np.uint32) << 16).view(np.float32) * by).view(np.uint32) >> 16).astype(np.uint16)
+    elif ggml_type == 8:  # Q8_0: 34-byte blocks, an f16 scale then 32 int8
+        scales = raw.reshape(-1, 34)[:, :2]
+        scales[:] = (scales.copy().view(np.float16) * by).view(np.uint8)
+    else:
+        raise ValueError(f"uniform routing: cannot scale ggml type {ggml_type}")
+
+
+def _uniform_router(x: np.ndarray, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Router [experts, hidden] for inputs `x` [tokens, hidden]: random orthonormal mixes of the top E whitened
+    principal directions orthogonal to the mean, scaled to the spread of `w`'s logits."""
+    e = w.shape[0]
+    mean = x.mean(axis=0)
+    unit = mean / max(float(np.linalg.norm(mean)), 1e-12)
+    centred = x - mean
+    centred -= np.outer(centred @ unit, unit)
+    _, sv, vt = np.linalg.svd(centred.astype(np.float64), full_matrices=False)
+    m = min(e, int((sv > sv[0] * 1e-6).sum()))
+    mix = np.linalg.qr(rng.standard_normal((m, e)))[0].T  # [e, m], orthonormal rows
+    router = mix @ (vt[:m] / sv[:m, None]) * np.sqrt(len(x))
+    return (router * float((x @ w.T).std())).astype(np.float32)

@@ -1,6 +1,5 @@
-"""Which experts a llama.cpp MoE routes each token to, read from its graph (`ffn_moe_topk`) through the
-eval callback, and the expert pager's hit rate on the same steps: how much a cache of experts is flattered
-by a router that favours a few of them."""
+"""Which experts a llama.cpp MoE routes each token to (`ffn_moe_topk`, via the eval callback), and the
+expert pager's hit rate on the same steps: how much a skewed router flatters an expert cache."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ class _Tensor(ctypes.Structure):
 
 
 def _rows(t: _Tensor, dtype: type[np.generic]) -> np.ndarray:
-    """A 2-D tensor's [ne1, ne0] values (float32 or int32), copied: rows may be strided views."""
+    """A 2-D tensor's [ne1, ne0] values (float32 or int32), copied row by row (strided views)."""
     n0, n1 = int(t.ne[0]), int(t.ne[1])
     row = (ctypes.c_float if dtype is np.float32 else ctypes.c_int32) * n0
     return np.stack([np.ctypeslib.as_array(row.from_address(t.data + j * t.nb[1])) for j in range(n1)])
@@ -33,8 +32,8 @@ def _rows(t: _Tensor, dtype: type[np.generic]) -> np.ndarray:
 
 @dataclass
 class RouteTrace:
-    """Per step, per layer, the distinct experts llama.cpp chose; with `capture`, each layer's router input
-    rows (the calibration a uniform router is built from). `pager.need` is told before the experts run."""
+    """Per step and layer the distinct experts chosen (told to `pager.need` before they run); with `capture`,
+    each layer's router input rows."""
 
     pager: paging.ExpertPager | None = None
     capture: bool = False
@@ -46,7 +45,7 @@ class RouteTrace:
         name = t.name.decode(errors="replace")
         wanted = name.startswith("ffn_moe_topk-") or (self.capture and name.startswith("ffn_moe_logits-"))
         if ask or not wanted:
-            return wanted if ask else True  # False after the ask would stop the graph
+            return wanted if ask else True  # False after the ask stops the graph
         layer = int(name.rsplit("-", 1)[1])
         if name.startswith("ffn_moe_logits-"):  # mul_mat(router, x): x is src[1], [tokens, hidden]
             self.inputs.setdefault(layer, []).append(_rows(_Tensor.from_address(t.src[1]), np.float32))
@@ -61,7 +60,6 @@ class RouteTrace:
 @dataclass(frozen=True)
 class Routing:
     """Expert usage over a text's decode steps: `counts` [layers, experts]."""
-
     counts: np.ndarray
     pager: dict[str, int] | None
 
@@ -82,8 +80,8 @@ class Routing:
 
 def trace(path: Path, prompt: list[int], decode: list[int], *, bound: int | None = None, threads: int = 1,
           capture: bool = False) -> tuple[RouteTrace, Routing]:
-    """`prompt` in one llama_decode, then `decode` one token a step (teacher-forced, batch 1), on the file
-    mapped; with `bound`, its experts paged as a budget pages them. Usage counts the decode steps."""
+    """`prompt` in one step, then `decode` a token a step (teacher-forced, batch 1), experts paged under
+    `bound` if given; usage counts the decode steps."""
     lib = load_llama_cpp()
     mparams = lib.llama_model_default_params()
     if hasattr(mparams, "use_extra_bufts"):
@@ -100,13 +98,20 @@ def trace(path: Path, prompt: list[int], decode: list[int], *, bound: int | None
     hook = lib.ggml_backend_sched_eval_callback(rt.callback)  # referenced until the context is freed
     cparams.cb_eval, cparams.cb_eval_user_data = hook, None
     ctx = lib.llama_init_from_model(model, cparams)
+    pos = 0
     try:
         for i, tokens in enumerate([prompt, *([t] for t in decode)]):
             if i == 1 and rt.pager is not None:
                 rt.pager.stats.hits = rt.pager.stats.misses = 0  # the prompt maps every expert: count decode
             rt.steps.append({})
-            arr = (ctypes.c_int32 * len(tokens))(*tokens)
-            if lib.llama_decode(ctx, lib.llama_batch_get_one(arr, len(tokens))) != 0:
+            batch = lib.llama_batch_init(len(tokens), 0, 1)
+            for j, token in enumerate(tokens):  # every row an output: the last layer then routes them all
+                batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, pos + j, 1, True
+                batch.seq_id[j][0] = 0
+            batch.n_tokens, pos = len(tokens), pos + len(tokens)
+            code = lib.llama_decode(ctx, batch)
+            lib.llama_batch_free(batch)
+            if code != 0:
                 raise RuntimeError(f"llama_decode failed at step {i}")
             if rt.pager is not None:
                 rt.pager.after_step()
@@ -119,6 +124,15 @@ def trace(path: Path, prompt: list[int], decode: list[int], *, bound: int | None
         for layer, chosen in step.items():
             counts[layer, chosen] += 1
     return rt, Routing(counts, rt.pager.describe() if rt.pager else None)
+
+
+def vocabulary_text(path: Path, n: int, seed: int) -> list[int]:
+    """`n` tokens: the model's normal tokens in shuffled rounds (a text favouring no token, unlike prose)."""
+    from twinfer.runtime.loaders.gguf_reader import GGUFContents
+
+    normal = np.flatnonzero(np.asarray(GGUFContents(path).array("tokenizer.ggml.token_type")) == 1)
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.permutation(normal) for _ in range(-(-n // len(normal)))])[:n].tolist()
 
 
 def _experts(path: Path) -> int:
