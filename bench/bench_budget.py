@@ -1,6 +1,6 @@
 """The local target's headline: an MoE twice the memory budget, at batch 1, on a GGUF, beside llama-bench.
 
-    python bench/bench_budget.py --dir /tmp/budget [--llama-bin DIR] [--rounds 3] > out.json
+    python bench/bench_budget.py --dir /tmp/budget [--llama-bin DIR] [--rounds 3] [--routing uniform] > out.json
 
 Builds (once, in --dir) the `--shape` models with llama.cpp's own converter (tests/moe_gguf.py): `qwen3`, a
 random Qwen3-MoE in BF16 (16 layers, 64 experts top-4, 1.66 GB); `gpt-oss`, gpt-oss-20b's layer shape (4
@@ -18,7 +18,10 @@ pages dropped from the page cache first (`/proc/sys/vm/drop_caches` where permit
 
 Prints one JSON object per shape: each run's decode tok/s, the cgroup's peak usage (page cache included)
 and OOM kills, the process's own peak RSS (`wait4`), the plan's predicted bytes and its KL (expected and
-measured), the budget's summary, the load average, and the host, kernel and builds.
+measured), the budget's summary, the load average, and the host, kernel and builds; and, untimed, the routing
+(per-layer usage entropy against log(experts)) and the expert pager's hit rate with the budget less the dense
+weights as its bound, over 128 decode steps of a text favouring no token and of prose. `--routing uniform`
+runs the shapes with routers that spread top-k evenly (tests/moe_gguf.py `uniform_routing`).
 """
 
 from __future__ import annotations
@@ -161,13 +164,29 @@ SHAPES = {"qwen3": "qwen3_moe 16 layers, 64 experts top-4, BF16",
           "gpt-oss": "gpt_oss 4 layers (gpt-oss-20b's), 32 experts top-4, MXFP4 experts, Q8_0 rest"}
 
 
-def build_model(folder: Path, shape: str) -> Path:
+def build_model(folder: Path, shape: str, routing: str = "random") -> Path:
     from tests.moe_gguf import write_gpt_oss_gguf, write_qwen3_moe_gguf
 
-    return write_qwen3_moe_gguf(folder, "1.6gb") if shape == "qwen3" else write_gpt_oss_gguf(folder, "20b-4l")
+    if shape == "qwen3":
+        return write_qwen3_moe_gguf(folder, "1.6gb", routing=routing)
+    return write_gpt_oss_gguf(folder, "20b-4l", routing=routing)
 
 
-def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path) -> dict[str, Any]:
+def routing_report(model: Path, budget: int) -> dict[str, Any]:
+    """Usage entropy and the pager's hit rate (bound: the budget less the dense weights), 128 decode steps."""
+    from twinfer.backends.llamacpp.paging import is_expert
+    from twinfer.backends.llamacpp.routing import trace, vocabulary_text
+    from twinfer.quant.fidelity import corpus_windows
+    from twinfer.runtime.loaders.gguf_reader import GGUFContents
+
+    dense = sum(t.nbytes for t in GGUFContents(model).tensors.values() if not is_expert(t.name))
+    bound = max(0, budget - dense)
+    (prose,) = corpus_windows(str(model), "prose", 129, 130)
+    texts = {"vocabulary": vocabulary_text(model, 129, seed=0), "prose": prose[-129:]}
+    return {"bound_bytes": bound} | {name: trace(model, t[:1], t[1:], bound=bound)[1].summary() for name, t in texts.items()}
+
+
+def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path, routing: str) -> dict[str, Any]:
     """Warm-up, then `rounds` interleaved pairs of twinfer and llama-bench under one limit, for one model."""
     from twinfer.app.bench import hardware_info
 
@@ -187,8 +206,9 @@ def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path
     tw = [r["twinfer"].get("decode_tok_s", 0.0) for r in out]
     lb = [r["llama_bench"].get("decode_tok_s", 0.0) for r in out]
     return {
-        "model": {"path": str(model), "bytes": size, "shape": SHAPES[shape]},
+        "model": {"path": str(model), "bytes": size, "shape": SHAPES[shape], "routing": routing},
         "budget_bytes": budget, "limit_bytes": limit, "warm_up": warm, "rounds": out,
+        "routing": routing_report(model, budget),
         "median_decode_tok_s": {"twinfer": statistics.median(tw), "llama_bench": statistics.median(lb)},
         "ratio": statistics.median(tw) / statistics.median(lb) if statistics.median(lb) else None,
         "hardware": hardware_info(), "kernel": platform.release(),
@@ -202,12 +222,15 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, help="a built llama.cpp bin dir (default: build one in --dir)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    ap.add_argument("--routing", choices=["random", "uniform"], default="random",
+                    help="the random weights' routers, or ones spreading top-k evenly over tokens")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     a.dir.mkdir(parents=True, exist_ok=True)
     bin_dir = a.llama_bin or build_llama_bench(a.dir)
     shapes = list(SHAPES) if a.shape == "all" else [a.shape]
-    report = {s: bench_shape(build_model(a.dir, s), s, bin_dir, a.rounds, a.dir / "cache") for s in shapes}
+    report = {s: bench_shape(build_model(a.dir, s, a.routing), s, bin_dir, a.rounds, a.dir / "cache", a.routing)
+              for s in shapes}
     print(json.dumps(report, indent=1))
 
 
