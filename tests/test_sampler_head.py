@@ -1,4 +1,5 @@
-"""The sampler's head shortcut draws from exactly the distribution `filtered` describes."""
+"""The sampler's shortcuts (the head, and block sums over a flat row) draw from exactly the distribution
+`filtered` describes."""
 
 from __future__ import annotations
 
@@ -26,10 +27,14 @@ def _frequencies(logits: np.ndarray, params: SamplingParams, seed: int) -> np.nd
     return counts / DRAWS
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["head", "blocks"])
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_head_draws_match_the_full_distribution(monkeypatch: pytest.MonkeyPatch, kw: dict) -> None:
-    # a head of ~1.5 nats leaves most of the mass in the "tail": every branch, the rare one included, is drawn
+def test_draws_match_the_full_distribution(monkeypatch: pytest.MonkeyPatch, kw: dict, flat: bool) -> None:
+    # a head of ~1.5 nats leaves most of the mass in the "tail": every branch, the rare one included, is drawn;
+    # blocks of 4 tokens put the draw across blocks and inside the short last one
     monkeypatch.setattr(sampler, "HEAD_NATS", 1.5)
+    monkeypatch.setattr(sampler, "BLOCK", 4)
+    monkeypatch.setattr(sampler, "_flat", lambda logits, row: flat)
     logits = np.array([3.0, 2.6, 2.2, 1.9, 1.0, 0.4, -0.3, -1.0, -2.5, 0.9], dtype=np.float32)
     params = SamplingParams(**kw)
     cand, probs = filtered(logits, RowState(params, np.random.default_rng(0), []))

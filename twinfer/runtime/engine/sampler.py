@@ -100,8 +100,42 @@ def sample_row(logits: np.ndarray, row: RowState) -> int:
     """One token from one row of (penalized) logits, using the row's own generator."""
     if is_greedy(row):  # dividing by a vanishing temperature overflows; it is greedy anyway
         return int(np.argmax(logits))
+    p = row.params
+    if p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0 and _flat(logits, row):
+        return _sample_blocks(logits, row)
     token = _sample_head(logits, row)
     return token if token is not None else draw(*filtered(logits, row), row.rng)
+
+
+BLOCK = 1024  # a full-vocabulary draw finds its block from block sums, then its token inside the block
+
+
+def _temperature(row: RowState) -> float:
+    return row.params.temperature if row.temperature is None else row.temperature
+
+
+def _flat(logits: np.ndarray, row: RowState) -> bool:
+    """Whether a sixteenth of the vocabulary or more lies in the head (judged from every 64th token)."""
+    stride = logits[::64]
+    return int(np.count_nonzero(stride >= logits.max() - HEAD_NATS * _temperature(row))) * 64 * 16 >= logits.shape[0]
+
+
+def _sample_blocks(logits: np.ndarray, row: RowState) -> int:
+    """A draw from the whole vocabulary at the row's temperature: float32 weights, float64 sums; one
+    pass over the row instead of a head that would be most of it."""
+    weights = np.subtract(logits, logits.max(), dtype=np.float32)
+    weights *= np.float32(1.0 / _temperature(row))
+    np.exp(weights, out=weights)
+    whole = weights.shape[0] - weights.shape[0] % BLOCK
+    sums = np.append(weights[:whole].reshape(-1, BLOCK).sum(axis=1, dtype=np.float64),
+                     weights[whole:].sum(dtype=np.float64))
+    cum = np.cumsum(sums)
+    u = row.rng.random() * float(cum[-1])
+    b = min(int(np.searchsorted(cum, u, side="right")), cum.shape[0] - 1)
+    segment = weights[b * BLOCK : (b + 1) * BLOCK]
+    inside = u - (float(cum[b - 1]) if b else 0.0)
+    i = int(np.searchsorted(np.cumsum(segment, dtype=np.float64), inside, side="right"))
+    return b * BLOCK + min(i, segment.shape[0] - 1)
 
 
 # Tokens more than this many temperatures below the best logit weigh < e^-20 each against the best's 1.
@@ -114,7 +148,7 @@ def _sample_head(logits: np.ndarray, row: RowState) -> int | None:
     The tail's total weight is at most B = tail size x e^-HEAD_NATS: a full-vocabulary draw picks the
     head with u < H / (H + B) and otherwise draws once more from the exact remainder (docs/architecture.md, "One engine step")."""
     p = row.params
-    temperature = p.temperature if row.temperature is None else row.temperature
+    temperature = _temperature(row)
     best = float(logits.max())
     if not np.isfinite(best):
         return None
