@@ -34,7 +34,7 @@ def test_draws_match_the_full_distribution(monkeypatch: pytest.MonkeyPatch, kw: 
     # blocks of 4 tokens put the draw across blocks and inside the short last one
     monkeypatch.setattr(sampler, "HEAD_NATS", 1.5)
     monkeypatch.setattr(sampler, "BLOCK", 4)
-    monkeypatch.setattr(sampler, "_flat", lambda logits, row: flat)
+    monkeypatch.setattr(sampler, "_flat", lambda logits, cut: flat)
     logits = np.array([3.0, 2.6, 2.2, 1.9, 1.0, 0.4, -0.3, -1.0, -2.5, 0.9], dtype=np.float32)
     params = SamplingParams(**kw)
     cand, probs = filtered(logits, RowState(params, np.random.default_rng(0), []))

@@ -101,8 +101,10 @@ def sample_row(logits: np.ndarray, row: RowState) -> int:
     if is_greedy(row):  # dividing by a vanishing temperature overflows; it is greedy anyway
         return int(np.argmax(logits))
     p = row.params
-    if p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0 and _flat(logits, row):
-        return _sample_blocks(logits, row)
+    if p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0:
+        best = float(logits.max())
+        if _flat(logits, best - HEAD_NATS * _temperature(row)):
+            return _sample_blocks(logits, best, row)
     token = _sample_head(logits, row)
     return token if token is not None else draw(*filtered(logits, row), row.rng)
 
@@ -114,17 +116,17 @@ def _temperature(row: RowState) -> float:
     return row.params.temperature if row.temperature is None else row.temperature
 
 
-def _flat(logits: np.ndarray, row: RowState) -> bool:
-    """Whether a sixteenth of the vocabulary or more lies in the head (judged from every 64th token)."""
-    stride = logits[::64]
-    return int(np.count_nonzero(stride >= logits.max() - HEAD_NATS * _temperature(row))) * 64 * 16 >= logits.shape[0]
+def _flat(logits: np.ndarray, cut: float) -> bool:
+    """Whether a sixteenth of the vocabulary or more is at least `cut` (judged from every 64th token)."""
+    return int(np.count_nonzero(logits[::64] >= cut)) * 64 * 16 >= logits.shape[0]
 
 
-def _sample_blocks(logits: np.ndarray, row: RowState) -> int:
+def _sample_blocks(logits: np.ndarray, best: float, row: RowState) -> int:
     """A draw from the whole vocabulary at the row's temperature: float32 weights, float64 sums; one
     pass over the row instead of a head that would be most of it."""
-    weights = np.subtract(logits, logits.max(), dtype=np.float32)
-    weights *= np.float32(1.0 / _temperature(row))
+    weights = np.subtract(logits, best, dtype=np.float32)
+    if _temperature(row) != 1.0:
+        weights *= np.float32(1.0 / _temperature(row))
     np.exp(weights, out=weights)
     whole = weights.shape[0] - weights.shape[0] % BLOCK
     sums = np.append(weights[:whole].reshape(-1, BLOCK).sum(axis=1, dtype=np.float64),
@@ -233,7 +235,8 @@ def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
     guided = [(i, r.guide) for i, r in enumerate(rows) if r.guide is not None]
     masks = dict(zip([i for i, _ in guided], row_masks([g for _, g in guided], logits.shape[-1]), strict=True)
                  ) if guided else {}
-    greedy_ids = logits.argmax(axis=-1)
+    plain = [is_greedy(r) and not r.params.penalized and not r.params.logit_bias and r.guide is None for r in rows]
+    greedy_ids = logits.argmax(axis=-1) if all(plain) else None  # one call for an all-greedy batch
     out: list[Sampled] = []
     for i, row in enumerate(rows):
         x = logits[i]
@@ -245,7 +248,7 @@ def sample(logits: np.ndarray, rows: list[RowState]) -> list[Sampled]:
             if mask is not None:
                 token = mask.argmax(x)
             else:
-                token = int(np.argmax(x)) if row.params.logit_bias else int(greedy_ids[i])
+                token = int(greedy_ids[i]) if greedy_ids is not None else int(np.argmax(x))
         else:
             if mask is not None and row.guide is not None:
                 x = timed_apply(row.guide, mask, x)
