@@ -9,6 +9,7 @@ Nothing is downloaded but that sdist. Random weights change no timing: every wei
 multiplied whatever its value.
 
     python bench/make_random_gguf.py --out /tmp/llama1b        # about a minute on two cores
+    python bench/make_random_gguf.py --out /tmp/tl --shape tinyllama   # 1.1B, TinyLlama's shape
     twinfer plan /tmp/llama1b/llama1b-q4_k_m.gguf --context 64
     twinfer bench /tmp/llama1b/llama1b-q4_k_m.gguf -c 1 -p 64 -o 64
 
@@ -25,11 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 Q4_K_M = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+SHAPES = {"llama1b": (16, 16, 500000.0), "tinyllama": (22, 32, 10000.0)}  # layers, heads, rope theta
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for the Hugging Face copy and the GGUF files")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b",
+                    help="llama1b: 0.85B, 16 layers; tinyllama: TinyLlama-1.1B's shape (22 layers, 32 heads)")
     a = ap.parse_args()
     try:
         import sentencepiece  # noqa: F401
@@ -43,13 +47,14 @@ def main() -> None:
 
     out = Path(a.out)
     hf = out / "hf"
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=False)
+    layers, heads, theta = SHAPES[a.shape]
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=4, max_position_embeddings=8192,
+                      rope_theta=theta, tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.float16).save_pretrained(hf)
     save_tiny_tokenizer(hf, "deepseek")  # a byte-level BPE tokenizer; the converter pads its vocab to 32,000
-    f16, q4 = out / "llama1b-f16.gguf", out / "llama1b-q4_k_m.gguf"
+    f16, q4 = out / f"{a.shape}-f16.gguf", out / f"{a.shape}-q4_k_m.gguf"
     convert(hf, f16, outtype="f16")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = Q4_K_M

@@ -1,5 +1,6 @@
-"""`twinfer bench --url`: closed-loop load through any OpenAI-compatible server, streaming greedy
-/v1/completions with `ignore_eos`; TTFT and TPOT as a user sees them, in the in-process bench's shape."""
+"""`twinfer bench --url`: closed-loop load through any OpenAI-compatible server, /v1/completions with
+`ignore_eos`, streamed (TTFT and TPOT as a user sees them) or not, greedy or at the server's own sampling
+defaults; each level reports the client's own CPU seconds, to show it is not the bottleneck."""
 
 from __future__ import annotations
 
@@ -45,34 +46,38 @@ def bench_prompt(prompt_tokens: int, key: int) -> str:
 
 def run_http_bench(url: str, concurrency: list[int], prompt_tokens: int, output_tokens: int,
                    api_key: str | None = None, *, requests_per_client: int = 4, model: str | None = None,
-                   timeout_s: float = 600.0, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+                   timeout_s: float = 600.0, extra_body: dict[str, Any] | None = None, stream: bool = True,
+                   greedy: bool = True, prompt_seed: int = 0) -> dict[str, Any]:
     """Drive `url` at each concurrency; returns {"hardware", "build", "traffic", "results"}.
 
     `extra_body` is merged into every request (e.g. a `logit_bias` banning EOS for servers that do
-    not know `ignore_eos`)."""
+    not know `ignore_eos`); runs with another `prompt_seed` send other prompts (no prefix-cache hits)."""
     if not concurrency or min(concurrency) < 1 or prompt_tokens < 1 or output_tokens < 1 or requests_per_client < 1:
         raise TwinferError("concurrency levels, --prompt-tokens, --output-tokens and requests per client must be >= 1")
+    extra = {"stream": stream, **({"temperature": 0.0} if greedy else {}), **(extra_body or {})}
     return asyncio.run(_bench(url.rstrip("/"), concurrency, prompt_tokens, output_tokens, api_key,
-                              requests_per_client, model, timeout_s, extra_body or {}))
+                              requests_per_client, model, timeout_s, extra, prompt_seed))
 
 
 async def _bench(url: str, concurrency: list[int], prompt_tokens: int, output_tokens: int, api_key: str | None,
-                 per_client: int, model: str | None, timeout_s: float, extra: dict[str, Any]) -> dict[str, Any]:
+                 per_client: int, model: str | None, timeout_s: float, extra: dict[str, Any],
+                 seed: int = 0) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency) + 4, max_keepalive_connections=max(concurrency) + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as client:
         model, server = await _server_info(client, model)
-        await _one(client, model, bench_prompt(prompt_tokens, -1), min(output_tokens, 4), extra)  # warm-up
+        await _one(client, model, bench_prompt(prompt_tokens, -1 - seed), min(output_tokens, 4), extra)  # warm-up
         results = []
         for c in concurrency:
-            results.append(await _level(client, model, c, per_client, prompt_tokens, output_tokens, extra))
+            results.append(await _level(client, model, c, per_client, prompt_tokens, output_tokens, extra, seed))
     return {
         "hardware": {"server": server.get("hardware"), "client": platform.platform(), "client_cpus": os.cpu_count()},
         "build": {"url": url, "model": model, "server": server.get("build")},
-        "traffic": {"mode": "http", "endpoint": "/v1/completions", "stream": True, "prompt_tokens": prompt_tokens,
-                    "output_tokens": output_tokens, "requests_per_client": per_client, "temperature": 0.0,
+        "traffic": {"mode": "http", "endpoint": "/v1/completions", "stream": extra["stream"],
+                    "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "requests_per_client": per_client,
+                    "temperature": extra.get("temperature", "server default"),
                     "ignore_eos": True, "concurrency": list(concurrency)},
         "results": results,
     }
@@ -102,17 +107,17 @@ async def _server_info(client: Any, model: str | None) -> tuple[str, dict[str, A
 
 
 async def _level(client: Any, model: str, c: int, per_client: int, prompt_tokens: int,
-                 output_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+                 output_tokens: int, extra: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     samples: list[Sample] = []
 
     async def worker(w: int) -> None:
         for i in range(per_client):
-            prompt = bench_prompt(prompt_tokens, 1_000_003 * c + 1009 * w + i)
+            prompt = bench_prompt(prompt_tokens, 1_000_003 * c + 1009 * w + i + 7_919_000_017 * seed)
             samples.append(await _one(client, model, prompt, output_tokens, extra))
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker(w) for w in range(c)))
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     tokens = sum(s.output_tokens for s in samples)
     ttft = [s.ttft_s for s in samples if s.ttft_s is not None]
     tpot = [s.tpot_s for s in samples if s.tpot_s is not None]
@@ -121,14 +126,16 @@ async def _level(client: Any, model: str, c: int, per_client: int, prompt_tokens
         "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-        "requests": len(samples), "output_tokens": tokens, "wall_s": wall,
+        "requests": len(samples), "output_tokens": tokens, "wall_s": wall, "client_cpu_s": cpu,
         "prompt_tokens_mean": sum(s.prompt_tokens for s in samples) / max(len(samples), 1),
     }  # fmt: skip
 
 
 async def _one(client: Any, model: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+    if not body.get("stream"):
+        return await _one_whole(client, body)
+    body["stream_options"] = {"include_usage": True}
     started = time.perf_counter()
     first = last = None
     chunks = 0
@@ -153,3 +160,12 @@ async def _one(client: Any, model: str, prompt: str, max_tokens: int, extra: dic
     tokens = int(usage.get("completion_tokens", chunks))
     tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
     return Sample(None if first is None else first - started, tpot, tokens, int(usage.get("prompt_tokens", 0)))
+
+
+async def _one_whole(client: Any, body: dict[str, Any]) -> Sample:
+    """A non-streamed request: its tokens from `usage`; no TTFT or TPOT to see."""
+    r = await client.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        raise BenchError(f"POST /v1/completions answered {r.status_code}: {r.text[:300]!r}")
+    usage = r.json().get("usage") or {}
+    return Sample(None, None, int(usage.get("completion_tokens", 0)), int(usage.get("prompt_tokens", 0)))
