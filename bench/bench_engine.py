@@ -105,7 +105,7 @@ def _free_port() -> int:
 
 def llama_cpp_server(threads: int, path: str) -> dict[str, Any]:
     """llama-cpp-python's bundled server at 16 concurrent clients, 64/64 tokens, completions API."""
-    from twinfer.server.http_bench import run_http_bench
+    from twinfer.server.http_bench import HttpTraffic, run_http_bench
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", path, "--port", str(port),
@@ -122,7 +122,7 @@ def llama_cpp_server(threads: int, path: str) -> dict[str, Any]:
                 time.sleep(0.5)
         # it knows no ignore_eos: ban Gemma's EOS (1) and <end_of_turn> (106) so every reply is 64 tokens
         ban = {"logit_bias": {"1": -100.0, "106": -100.0}}
-        return run_http_bench(f"http://127.0.0.1:{port}", [16], 64, 64, requests_per_client=1, extra_body=ban)
+        return run_http_bench(f"http://127.0.0.1:{port}", [16], 64, 64, requests_per_client=1, traffic=HttpTraffic(extra_body=ban))
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -33,7 +33,7 @@ from bench_peers import peer  # noqa: E402
 
 from twinfer.app.bench import hardware_info  # noqa: E402
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
-from twinfer.server.http_bench import run_http_bench  # noqa: E402
+from twinfer.server.http_bench import HttpTraffic, run_http_bench  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 100, 64
 
@@ -63,14 +63,18 @@ def start(side: str, model: Path, bin_dir: Path) -> tuple[subprocess.Popen[bytes
     raise SystemExit(f"{side} did not come up")
 
 
+TOTAL_REQUESTS = 64  # --requests
+
+
 def per_client(clients: int) -> int:
-    """Requests each client sends: enough for a steady state, ~64 at most in all."""
-    return max(1, min(4, 64 // clients))
+    """Requests each client sends: at most 4, about TOTAL_REQUESTS in all, at least one."""
+    return max(1, min(4, TOTAL_REQUESTS // clients))
 
 
 def light(url: str, clients: int, stream: bool, words: int, seed: int) -> dict[str, Any]:
+    traffic = HttpTraffic(stream=stream, greedy=False, prompt_seed=seed)
     r = run_http_bench(url, [clients], words, OUTPUT_TOKENS, requests_per_client=per_client(clients),
-                       stream=stream, greedy=False, prompt_seed=seed)["results"][0]
+                       traffic=traffic)["results"][0]
     return {"tok_s": r["output_tokens_per_s"], "client_cpu_s": r["client_cpu_s"], "wall_s": r["wall_s"],
             "ttft_p50_s": r["ttft_p50_s"], "requests": r["requests"], "prompt_tokens": r["prompt_tokens_mean"]}
 
@@ -146,7 +150,10 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=PROMPT_TOKENS,
                     help="the light client's prompt length in words (about a token each with a real tokenizer)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--requests", type=int, default=TOTAL_REQUESTS, help="about this many requests a shape")
     args = ap.parse_args()
+    global TOTAL_REQUESTS
+    TOTAL_REQUESTS = args.requests
     args.model = args.model or Path(default_model_path())
     every = [int(c) for c in args.clients.split(",") if c]
     once = [int(c) for c in args.once_clients.split(",") if c]

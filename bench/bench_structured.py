@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from twinfer.server.http_bench import run_http_bench
+from twinfer.server.http_bench import HttpTraffic, run_http_bench
 
 # Room for about 64 tokens of output: a list of short strings the grammar keeps open.
 SCHEMA = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},
@@ -75,7 +75,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, extra in (("unconstrained", {}), ("json_schema", {"json_schema": SCHEMA})):
                 before = _counters(url)
-                r = run_http_bench(url, [args.clients], 64, 64, requests_per_client=args.requests, extra_body=extra)
+                r = run_http_bench(url, [args.clients], 64, 64, requests_per_client=args.requests, traffic=HttpTraffic(extra_body=extra))
                 after = _counters(url)
                 delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                 masked = delta.get("twinfer_mask_steps_total", 0.0)

@@ -1,10 +1,5 @@
-"""Batch-1 active-parameter MoE: routed experts stay in the model file and are read on demand.
-
-An MoE layer's expert weights are `ExpertHandle`s; a backend's `StreamingOps` routes on the device,
-reads the chosen indices back (the one wait per MoE layer), and takes each expert from an LRU
-`ExpertCache` bounded in bytes, prefetching layer L+1's guess on a reader thread. Pages are dropped
-after each read, so the OS page cache, not the process, holds the file (docs/architecture.md).
-"""
+"""Batch-1 active-parameter MoE: routed experts stay in the model file, read on demand into an LRU
+`ExpertCache` bounded in bytes, the next layer's guess prefetched (docs/architecture.md)."""
 
 from __future__ import annotations
 

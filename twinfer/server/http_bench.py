@@ -44,25 +44,44 @@ def bench_prompt(prompt_tokens: int, key: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(prompt_tokens, 1)))
 
 
+@dataclass(frozen=True)
+class HttpTraffic:
+    """How each request is sent: streamed, greedy (else the server's sampling defaults), which prompts
+    (another `prompt_seed`, other prompts: no prefix-cache hits) and `extra_body` merged into each."""
+
+    stream: bool = True
+    greedy: bool = True
+    prompt_seed: int = 0
+    extra_body: dict[str, Any] | None = None
+
+
 def run_http_bench(url: str, concurrency: list[int], prompt_tokens: int, output_tokens: int,
                    api_key: str | None = None, *, requests_per_client: int = 4, model: str | None = None,
-                   timeout_s: float = 600.0, extra_body: dict[str, Any] | None = None, stream: bool = True,
-                   greedy: bool = True, prompt_seed: int = 0) -> dict[str, Any]:
-    """Drive `url` at each concurrency; returns {"hardware", "build", "traffic", "results"}.
-
-    `extra_body` is merged into every request (e.g. a `logit_bias` banning EOS for servers that do
-    not know `ignore_eos`); runs with another `prompt_seed` send other prompts (no prefix-cache hits)."""
+                   timeout_s: float = 600.0, traffic: HttpTraffic = HttpTraffic()) -> dict[str, Any]:
+    """Drive `url` at each concurrency; returns {"hardware", "build", "traffic", "results"}."""
     if not concurrency or min(concurrency) < 1 or prompt_tokens < 1 or output_tokens < 1 or requests_per_client < 1:
         raise TwinferError("concurrency levels, --prompt-tokens, --output-tokens and requests per client must be >= 1")
-    extra = {"stream": stream, **({"temperature": 0.0} if greedy else {}), **(extra_body or {})}
-    return asyncio.run(_bench(url.rstrip("/"), concurrency, prompt_tokens, output_tokens, api_key,
-                              requests_per_client, model, timeout_s, extra, prompt_seed))
+    t = traffic
+    extra = {"stream": t.stream, **({"temperature": 0.0} if t.greedy else {}), **(t.extra_body or {})}
+    shape = _Shape(prompt_tokens, output_tokens, requests_per_client, extra, t.prompt_seed)
+    return asyncio.run(_bench(url.rstrip("/"), concurrency, shape, api_key, model, timeout_s))
 
 
-async def _bench(url: str, concurrency: list[int], prompt_tokens: int, output_tokens: int, api_key: str | None,
-                 per_client: int, model: str | None, timeout_s: float, extra: dict[str, Any],
-                 seed: int = 0) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Shape:
+    prompt_tokens: int
+    output_tokens: int
+    per_client: int
+    extra: dict[str, Any]  # merged into every request body
+    seed: int
+
+
+async def _bench(url: str, concurrency: list[int], shape: _Shape, api_key: str | None, model: str | None,
+                 timeout_s: float) -> dict[str, Any]:
     import httpx
+
+    prompt_tokens, output_tokens, per_client, extra, seed = (shape.prompt_tokens, shape.output_tokens,
+                                                             shape.per_client, shape.extra, shape.seed)
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency) + 4, max_keepalive_connections=max(concurrency) + 4)

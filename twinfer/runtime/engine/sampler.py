@@ -122,8 +122,7 @@ def _flat(logits: np.ndarray, cut: float) -> bool:
 
 
 def _sample_blocks(logits: np.ndarray, best: float, row: RowState) -> int:
-    """A draw from the whole vocabulary at the row's temperature: float32 weights, float64 sums; one
-    pass over the row instead of a head that would be most of it."""
+    """A draw from the whole vocabulary in one pass: float32 weights, float64 sums."""
     weights = np.subtract(logits, best, dtype=np.float32)
     if _temperature(row) != 1.0:
         weights *= np.float32(1.0 / _temperature(row))
@@ -145,10 +144,8 @@ HEAD_NATS = 20.0
 
 
 def _sample_head(logits: np.ndarray, row: RowState) -> int | None:
-    """`filtered` then `draw`'s distribution, computed over the head (the tokens within HEAD_NATS
-    temperatures of the best) instead of the whole vocabulary; None where only the tail could decide.
-    The tail's total weight is at most B = tail size x e^-HEAD_NATS: a full-vocabulary draw picks the
-    head with u < H / (H + B) and otherwise draws once more from the exact remainder (docs/architecture.md, "One engine step")."""
+    """`filtered` then `draw`'s distribution over the head only (docs/architecture.md, "One engine
+    step"); None where only the tail could decide."""
     p = row.params
     temperature = _temperature(row)
     best = float(logits.max())
@@ -185,8 +182,8 @@ def _sample_head(logits: np.ndarray, row: RowState) -> int | None:
 
 def _draw_remainder(logits: np.ndarray, row: RowState, head: np.ndarray, weights: np.ndarray, bound: float,
                     temperature: float, best: float) -> int:
-    """The rare branch of a full-vocabulary draw: head tokens keep weight w x (B - T) / (H + B) and tail
-    tokens their own (T: the tail's exact total), which makes each token's overall chance w / (H + T)."""
+    """The rare branch: head tokens weigh w (B - T) / (H + B), tail ones their own, so each token's
+    overall chance is w / (H + T) (T: the tail's exact weight)."""
     full = np.exp((logits.astype(np.float64) - best) / temperature)
     in_head = np.zeros(full.shape[0], dtype=bool)
     in_head[head] = True
