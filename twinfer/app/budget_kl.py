@@ -1,10 +1,5 @@
-"""The KL a lossy `--memory-budget` choice costs, measured once and kept beside the file it made.
-
-When a llama.cpp budget requantizes, prunes or quantizes the KV cache, what it runs (the file and KV type)
-is scored against the stored file at F16 KV on one fixed text (the first `KL_TOKENS` tokens of the prose
-corpus, teacher-forced in windows of `KL_WINDOW`) with quant's KL statistics, as `twinfer eval kl` scores
-any pair. The reference runs mapped with its experts paged under a bound, so the measurement stays near
-the budget; it runs in a child process (as the quantizer does), once: the result is cached as JSON."""
+"""The KL a lossy `--memory-budget` choice costs against the stored file at F16 KV, on a fixed text,
+measured once in a child process and cached as JSON beside the file it made (docs/architecture.md)."""
 
 from __future__ import annotations
 

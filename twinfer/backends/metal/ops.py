@@ -1,13 +1,8 @@
 """Ops over MLX: runs every architecture on Apple silicon (Metal) and, through mlx[cpu], on any CPU.
 
-KV cache: the layout of the torch backend. One flat array per layer of `num_blocks * block_size`
-slots, [slots, Hkv, D]. A step scatters its new keys and values into the slots the block tables
-give, gathers each sequence's slots into a padded [B, L] view and runs one masked
-`mx.fast.scaled_dot_product_attention` per layer (GQA native, sliding windows by mask).
-
-MLX is lazy and its arrays are immutable: a cache write makes a new array that replaces the old one
-in `k_cache`/`v_cache`. Nothing is evaluated inside layers; `to_host` evaluates the logits together
-with every cache in one `mx.eval`, so the step's writes are materialized and the graph is freed.
+KV cache: the torch backend's layout ([slots, Hkv, D] per layer, gathered into a padded [B, L] view).
+MLX is lazy: a cache write makes a new array, and `to_host` evaluates the logits and every cache in one
+`mx.eval`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Images in: what a request carries, what a step hands the model, and what a vision tower provides.
-
-An image arrives decoded (`Image`: RGB pixels and a digest of them). The model's `VisionTower` expands
-each image marker of the rendered prompt into the family's run of placeholder tokens (`ImageSpan`) and
-turns an image into one feature row per placeholder. The engine computes features before the prefill
-that needs them, keyed by digest, and hands each chunk the rows it covers (`ChunkImage`); the model
-writes them over the placeholders' embeddings. See docs/images.md.
-"""
+"""Images in: what a request carries (`Image`, `ImageSpan`), what a step hands the model (`ChunkImage`)
+and what a vision tower provides (`VisionTower`); docs/images.md."""
 
 from __future__ import annotations
 
