@@ -66,8 +66,8 @@ def twinfer_cli_bench(*args: str) -> dict[str, Any]:
     return dict(json.loads(out)["results"][0])
 
 
-def twinfer_single() -> dict[str, float]:
-    r = twinfer_cli_bench("-c", "1")
+def twinfer_single(model: Path | None = None) -> dict[str, float]:
+    r = twinfer_cli_bench(*([str(model)] if model else []), "-c", "1")
     return {"twinfer_bench_c1_tok_s": r["output_tokens_per_s"], "twinfer_bench_c1_decode_tok_s": 1 / r["tpot_p50_s"]}
 
 
@@ -196,8 +196,9 @@ def main() -> None:
     ap.add_argument("--plan-model", default=None,
                     help="plan and bench this GGUF instead of the default model (e.g. bench/make_random_gguf.py's)")
     ap.add_argument("--plan-prompts", default="64,4096", help="prompt lengths of the plan comparison")
+    ap.add_argument("--model", type=Path, default=None, help="the single-stream pair's GGUF (default: the embedded model)")
     args = ap.parse_args()
-    model = default_model_path()
+    model = args.model or default_model_path()
     parts = set(args.only.split(","))
     out: dict[str, Any] = {"hardware": hardware_info(), "default_threads": default_threads(),
                            "model": model.name, "llamacpp_amx": amx_verdict(),
@@ -210,7 +211,8 @@ def main() -> None:
         if round_no >= args.rounds:
             continue
         if "single" in parts:  # the two sides swap places every other round, as the HTTP pair does
-            sides = [twinfer_single, lambda: {"llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)}]
+            sides = [lambda: twinfer_single(args.model),
+                     lambda: {"llama_bench_tg128_tok_s": llama_bench(args.llama_bin, model)}]
             row: dict[str, Any] = {"twinfer_first": round_no % 2 == 0}
             for side in sides if round_no % 2 == 0 else sides[::-1]:
                 row.update(side())

@@ -66,6 +66,11 @@ def start(side: str, model: Path, bin_dir: Path) -> tuple[subprocess.Popen[bytes
 TOTAL_REQUESTS = 64  # --requests
 
 
+def set_total(requests: int) -> None:
+    global TOTAL_REQUESTS
+    TOTAL_REQUESTS = requests
+
+
 def per_client(clients: int) -> int:
     """Requests each client sends: at most 4, about TOTAL_REQUESTS in all, at least one."""
     return max(1, min(4, TOTAL_REQUESTS // clients))
@@ -152,8 +157,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--requests", type=int, default=TOTAL_REQUESTS, help="about this many requests a shape")
     args = ap.parse_args()
-    global TOTAL_REQUESTS
-    TOTAL_REQUESTS = args.requests
+    set_total(args.requests)
     args.model = args.model or Path(default_model_path())
     every = [int(c) for c in args.clients.split(",") if c]
     once = [int(c) for c in args.once_clients.split(",") if c]
