@@ -122,7 +122,7 @@ def serve_round(side: str, args: argparse.Namespace, clients: list[int], model_i
                 seed = 1 + rnd * 1000 + c * 2 + stream
                 rows.append({**shape, "generator": "light", **light(url, c, stream, args.prompt_words, seed)})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-                if args.aiperf:
+                if args.aiperf and rnd < args.aiperf_rounds:
                     rows.append({**shape, "generator": "aiperf",
                                  **aiperf(args.aiperf, args.tokenizer, url, model_id[side], c, stream, seed)})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--once-clients", default="1,64")
     ap.add_argument("--aiperf", default=None, help="the aiperf executable (omit: the light client only)")
     ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--aiperf-rounds", type=int, default=1_000_000, help="AIPerf runs in the first N rounds only")
     ap.add_argument("--prompt-words", type=int, default=PROMPT_TOKENS,
                     help="the light client's prompt length in words (about a token each with a real tokenizer)")
     ap.add_argument("--out", type=Path, default=None)
