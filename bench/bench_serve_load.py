@@ -91,7 +91,7 @@ def aiperf(exe: str, tokenizer: str, url: str, model: str, clients: int, stream:
                "--warmup-request-count", str(min(clients, 4)),
                "--prompt-input-tokens-mean", str(PROMPT_TOKENS), "--prompt-input-tokens-stddev", "0",
                "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", "0",
-               "--extra-inputs", "ignore_eos:true", "--tokenizer", tokenizer, "--output-artifact-dir", out,
+               "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--tokenizer", tokenizer, "--output-artifact-dir", out,
                "--ui-type", "none", "--random-seed", str(seed), "--no-server-metrics", "--no-gpu-telemetry",
                *(["--streaming"] if stream else [])]
         started = time.perf_counter()
