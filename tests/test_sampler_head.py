@@ -10,7 +10,7 @@ import twinfer.runtime.engine.sampler as sampler
 from twinfer.runtime.engine.params import SamplingParams
 from twinfer.runtime.engine.sampler import RowState, filtered, sample_row
 
-DRAWS = 60_000
+DRAWS = 30_000
 CASES = [
     dict(temperature=1.0),
     dict(temperature=0.7),
