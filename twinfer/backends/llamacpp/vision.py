@@ -18,6 +18,7 @@ from twinfer.runtime.errors import BackendUnavailable, ModelError
 from twinfer.runtime.loaders.gguf_reader import GGUFContents
 from twinfer.runtime.spec import ModelSpec
 from twinfer.runtime.vision import Image, ImageSpan
+from twinfer.runtime.vision.gemma3 import merge_newlines
 
 MAX_NEWLINES = 32  # newline runs shorter than this may be single tokens (Gemma's vocabulary has up to 31)
 _IMAGE_CHUNK = 1  # MTMD_INPUT_CHUNK_TYPE_IMAGE
@@ -122,7 +123,7 @@ class LlamaCppVision:
                 out += block
                 inserted += [True] * len(block)
             prev = at + 1
-        out = self._merge_newlines(out, inserted)
+        out = merge_newlines(out, inserted, self.newlines, lambda n: self._tokenize("\n" * n))
         starts = [i + 1 for i, t in enumerate(out) if t == self.begin]
         return out, [ImageSpan(s, n, im) for s, n, im in zip(starts, rows, images, strict=True)]
 
@@ -218,25 +219,6 @@ class LlamaCppVision:
             raise ModelError(f"{self.path}: mtmd lays an image out without an image-begin token; twinfer cannot "
                              "place its marker")
         return parts[0][-1], parts[1], parts[2]
-
-    def _merge_newlines(self, ids: list[int], inserted: list[bool]) -> list[int]:
-        """Newline runs an expansion touched, tokenized again as one run, as the processor's tokenizer does."""
-        out: list[int] = []
-        i = 0
-        while i < len(ids):
-            j = i
-            while j < len(ids) and ids[j] in self.newlines:
-                j += 1
-            if j == i:
-                out.append(ids[i])
-                i += 1
-            elif any(inserted[i:j]):
-                out += self._tokenize("\n" * sum(self.newlines[t] for t in ids[i:j]))
-                i = j
-            else:
-                out += ids[i:j]
-                i = j
-        return out
 
 
 def _load_mtmd() -> ModuleType:

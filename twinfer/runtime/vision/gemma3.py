@@ -5,6 +5,7 @@ docs/images.md, "Gemma 3", describes each step."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,26 +240,9 @@ class Gemma3Vision:
                 out += block
                 inserted += [True] * len(block)
             prev = at + 1
-        out = self._merge_newlines(out, inserted)
+        out = merge_newlines(out, inserted, self.newlines, self._encode_newlines)
         starts = [i + 1 for i, t in enumerate(out) if t == c.boi_id]
         return out, [ImageSpan(s, c.mm_tokens_per_image, im) for s, im in zip(starts, images, strict=True)]
-
-    def _merge_newlines(self, ids: list[int], inserted: list[bool]) -> list[int]:
-        """Newline runs an expansion touched, re-tokenized whole, as the processor tokenizes expanded text."""
-        out: list[int] = []
-        i = 0
-        while i < len(ids):
-            j = i
-            while j < len(ids) and ids[j] in self.newlines:
-                j += 1
-            if j == i:
-                out.append(ids[i])
-                i += 1
-                continue
-            touched = any(inserted[i:j])
-            out += self._encode_newlines(sum(self.newlines[t] for t in ids[i:j])) if touched else ids[i:j]
-            i = j
-        return out
 
     def encode(self, image: Image) -> Array:
         patches = self.ops.weight("pixels", preprocess(image.pixels, self.config))
@@ -338,3 +322,22 @@ def open_gemma3_vision(folder: Path, config: dict[str, Any], spec: ModelSpec, op
     ws = vision_weights(folder, spec, c)
     weights = {name: ops.weight(name, ws.load(name)) for name in ws.names()}
     return Gemma3Vision(c, ops, weights, newlines, wrap)
+
+
+def merge_newlines(ids: list[int], inserted: list[bool], newlines: dict[int, int],
+                   encode: Callable[[int], list[int]]) -> list[int]:
+    """Newline runs an expansion touched, re-tokenized whole (`encode(count)`), as the processor tokenizes
+    expanded text; `newlines` maps each newline token to how many newlines it is."""
+    out: list[int] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and ids[j] in newlines:
+            j += 1
+        if j == i:
+            out.append(ids[i])
+            i += 1
+            continue
+        out += encode(sum(newlines[t] for t in ids[i:j])) if any(inserted[i:j]) else ids[i:j]
+        i = j
+    return out
