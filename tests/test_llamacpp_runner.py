@@ -362,15 +362,23 @@ def test_the_persistent_thread_pool_changes_no_logit(model_path, runner, tokens,
         bare.close()
 
 
-def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
-    """Where the weights live (mapped file pages, or llama.cpp's buffers on 2 MiB pages) moves no logit;
-    on a kernel that gives huge pages, the weights get them, and so does the KV cache (its sliding-window
-    layers' 62 MB at 4,096 tokens, well under the weights), though the context's address ranges are mostly
-    untouched buffers. At 1,024 tokens its buffers (16 and 3 MB) may come from memory glibc's heap already
-    held, which no fold sees, depending on what the process did before (0 MB in the full suite)."""
+def test_weights_on_huge_pages_change_no_logit(model_path, tokens, monkeypatch):
+    """Where the weights live (mapped file pages, or llama.cpp's buffers on 2 MiB pages) moves no logit.
+    On a kernel that gives huge pages the weights get them, and the runner asks for the KV cache's chunks
+    too (its sliding-window layers' 62 MB at 4,096 tokens, under the weights' size, so not refused); whether
+    the kernel then has a free huge page for each is its say, so the fold's result is only bounded."""
     from twinfer.backends.llamacpp import hugepages
     from twinfer.runtime.cpu import HUGE_PAGE_MODES, thp_mode
 
+    asked: list[tuple[int, int]] = []  # (resident chunk bytes, limit) of each context fold
+    fold = hugepages.fold
+
+    def spy(ranges, limit=None):
+        chunks = sum(len(hugepages.resident_chunks(a, b)) for a, b in ranges) * hugepages.HUGE
+        asked.append((chunks, limit))
+        return fold(ranges, limit)
+
+    monkeypatch.setattr(hugepages, "fold", spy)
     runs = []
     for huge in (True, False):
         r = LlamaCppRunner(model_path, LlamaCppOptions(n_ctx=4096, max_seqs=1, n_threads=THREADS, huge_pages=huge))
@@ -389,7 +397,10 @@ def test_weights_on_huge_pages_change_no_logit(model_path, tokens):
     assert mapped_mb == mapped_kv_mb == 0
     if hugepages.supported() and thp_mode() in HUGE_PAGE_MODES:
         assert huge_mb > 0  # of 235 MB of weights (274 MB measured here: the advice covers whole chunks)
-        assert huge_kv_mb > 0
+        (chunks, limit), (mapped_chunks, _) = [a for a in asked if a[1] is not None]  # the weights': no limit
+        assert mapped_chunks == 0
+        assert 60 * 2**20 <= chunks <= limit == model_path.stat().st_size
+        assert 0 <= huge_kv_mb * 2**20 <= chunks
 
 
 def test_huge_pages_asked_for_where_there_are_none_load_mapped(model_path, monkeypatch):

@@ -8,6 +8,7 @@ docs/benchmarks.md, "Weights on huge pages")."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -179,7 +180,17 @@ def fold(ranges: list[Range], limit: float | None = None) -> int:
     chunks = [chunk for start, end in ranges for chunk in resident_chunks(start, end)]
     if limit is not None and len(chunks) * HUGE > limit:
         return 0
-    return HUGE * sum(_libc().madvise(chunk, HUGE, MADV_COLLAPSE) == 0 for chunk in chunks)
+    return HUGE * sum(_collapse(chunk) for chunk in chunks)
+
+
+def _collapse(chunk: int, tries: int = 3) -> bool:
+    """MADV_COLLAPSE one chunk; EAGAIN (no huge page free this moment) is the kernel's "retry"."""
+    for _ in range(tries):
+        if _libc().madvise(chunk, HUGE, MADV_COLLAPSE) == 0:
+            return True
+        if ctypes.get_errno() != errno.EAGAIN:
+            return False
+    return False
 
 
 class HugePageLoad:

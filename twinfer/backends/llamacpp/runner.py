@@ -186,7 +186,7 @@ class LlamaCppRunner(Runner):
         # fold the KV cache onto huge pages when no bigger than the weights: folding copies it
         # (docs/architecture.md, "The runner contract"; docs/benchmarks.md, "Weights on huge pages")
         context = hugepages.mapped_since(before) if before is not None else []
-        self.huge_page_context_bytes = hugepages.fold(context, limit=self.huge_page_bytes)
+        self.huge_page_context_bytes = hugepages.fold(context, limit=self.path.stat().st_size)
         self.n_ctx = int(lib.llama_n_ctx(self._ctx))
         self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
         self.spec = spec or model_spec(lib, self._model, self.path, self.n_vocab)
