@@ -265,6 +265,31 @@ def test_models_health_metrics(srv: ServerThread) -> None:
     assert metric(srv, "twinfer_engine_up") == 1
 
 
+def test_non_streamed_answers_take_one_output(tiny: Tiny) -> None:
+    """A non-streamed answer with no tool parser gets its output once, finished (vLLM's FINAL_ONLY), so the
+    event loop is not woken every step; a stream gets one a step. Same text; time to first token comes from
+    the engine's clock, not from the one delivery."""
+    with serving(tiny) as st:
+        seen: list[Any] = []
+        dispatch = st.engine._dispatch  # type: ignore[attr-defined]
+
+        def spy(outputs: list[Any], streams: Any) -> Any:
+            seen.extend(outputs)
+            return dispatch(outputs, streams)
+
+        st.engine._dispatch = spy  # type: ignore[attr-defined]
+        ask = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        whole = client(st).chat.completions.create(**ask)
+        delivered, seen[:] = list(seen), []
+        text = "".join(c.choices[0].delta.content or "" for c in client(st).chat.completions.create(**ask, stream=True)
+                       if c.choices)
+        assert [o.finished for o in delivered] == [True] and len(delivered[0].token_ids) == 12
+        assert len(seen) >= 12 and seen[-1].finished
+        assert text == whole.choices[0].message.content
+        ttft, latency = (metric(st, f"twinfer_{n}_seconds_sum") for n in ("time_to_first_token", "request_latency"))
+        assert 0 < ttft < latency
+
+
 # -- bad input never reaches the engine ----------------------------------------------------------------
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 OK_COMP = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

@@ -189,7 +189,7 @@ async def messages(state: ServerState, request: Request, body: MessagesRequest) 
     knobs = Knobs(body.max_tokens, body.temperature, body.top_p, body.top_k, list(body.stop_sequences or []),
                   repetition_guard=body.repetition_guard)
     params = prompts.sampling_params(knobs, prompt_len, engine.max_context, engine.vocab_size, state.guard,
-                                     plan.constraint or constraint)
+                                     plan.constraint or constraint, final_only=not body.stream and not plan.cuts)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     choices = await submit(engine, ids, params, 1, message_id, 0, images)
     f = Follower(message_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())

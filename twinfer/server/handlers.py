@@ -52,7 +52,8 @@ async def generation(state: ServerState, request: Request, body: ChatCompletionR
         prompt_len = len(ids)
         echo = await asyncio.to_thread(tokenizer.decode, ids, True) if body.echo else ""
         echo_ids = ids if body.echo and body.logprobs is not None else None
-    params = prompts.sampling_params(body, prompt_len, engine.max_context, engine.vocab_size, state.guard, constraint)
+    params = prompts.sampling_params(body, prompt_len, engine.max_context, engine.vocab_size, state.guard, constraint,
+                                     final_only=not body.stream and not plan.cuts)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices = await submit(engine, ids, params, body.n, request_id, body.priority, images)
     echoed = Echo(echo, echo_ids, prompts.scores_prompt_only(body))

@@ -149,7 +149,7 @@ def prompt_logprobs(req: Any) -> int | None:
 
 
 def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int, guard: GuardConfig,
-                    constraint: Constraint | None = None) -> SamplingParams:
+                    constraint: Constraint | None = None, final_only: bool = False) -> SamplingParams:
     """SamplingParams for a request whose prompt has `prompt_len` tokens; APIError when it cannot run."""
     where = "prompt" if isinstance(req, CompletionRequest) else "messages"
     if prompt_len >= max_context:
@@ -192,6 +192,7 @@ def sampling_params(req: Any, prompt_len: int, max_context: int, vocab_size: int
             logprobs=req.num_logprobs, prompt_logprobs=prompt_logprobs(req),
             guard=guard, logit_bias=logit_bias(req.logit_bias, vocab_size),
             constraint=constraint, kv_transfer_params=getattr(req, "kv_transfer_params", None),
+            final_only=final_only,
         )
     except RequestError as e:
         raise APIError(400, str(e)) from e

@@ -67,8 +67,8 @@ class Follower:
         now = time.perf_counter()
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        if out.token_ids and self.first_token is None:
-            self.first_token = now
+        if out.token_ids and self.first_token is None:  # a final-only output: the engine's first token
+            self.first_token = now - out.metrics.get("latency_s", 0.0) + out.metrics.get("ttft_s", 0.0)
         if self.echo_only:
             out = replace(out, text="", token_ids=[], logprobs=None)
         self.token_ids += out.token_ids

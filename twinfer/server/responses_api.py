@@ -142,7 +142,7 @@ async def create(state: ServerState, request: Request, body: ResponsesRequest) -
                                                        state.images)
     knobs = Knobs(body.max_output_tokens, body.temperature, body.top_p, repetition_guard=body.repetition_guard)
     params = prompts.sampling_params(knobs, prompt_len, engine.max_context, engine.vocab_size, state.guard,
-                                     plan.constraint or constraint)
+                                     plan.constraint or constraint, final_only=not body.stream and not plan.cuts)
     response_id = f"resp_{uuid.uuid4().hex}"
     choices = await submit(engine, ids, params, 1, response_id, 0, images)
     f = Follower(response_id, state.model_name, True, tokenizer, state.metrics, arrival, 0, plan.parser())

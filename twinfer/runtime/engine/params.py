@@ -64,6 +64,7 @@ class SamplingParams:
     constraint: Constraint | None = None  # a grammar the output must match (runtime/constraints)
     # KV hand-over between replicas (runtime/kv/connector.py); vLLM carries it in its sampling params too
     kv_transfer_params: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    final_only: bool = False  # one output, when finished (a non-streamed answer; vLLM's FINAL_ONLY)
 
     def __post_init__(self) -> None:
         checks = [

@@ -29,6 +29,11 @@ class ToolPlan:
     def none(cls) -> ToolPlan:
         return cls()
 
+    @property
+    def cuts(self) -> bool:
+        """Whether its parser reads every delta (it may stop the request once the calls are over)."""
+        return self.family is not None
+
     def parser(self) -> OutputParser:
         inner: OutputParser = PlainText()
         if self.family is not None:
