@@ -218,6 +218,28 @@ def test_default_step_is_llama_servers_batch_and_a_wave_prefills_in_one_step() -
         engine(ctx=CTX, seqs=8, max_batch_tokens=0)
 
 
+@pytest.mark.parametrize("unified", [True, False])
+def test_a_full_house_takes_over_the_kept_slot_holding_the_prompt(unified: bool) -> None:
+    """Every slot busy: a request whose prompt a finished sequence's slot still holds takes that slot over
+    (as llama-server does) instead of computing the prompt again; its text is the one a copied prefix gives."""
+    head = [t for p in prompts()[:4] for t in p][:64]  # four blocks of 16
+    prompt, other = head + prompts()[5][1:7], prompts()[6]
+    texts = []
+    for seqs in (2, 8):  # 2: no slot free for a copy; 8: the copy path
+        e = engine(ctx=256, seqs=seqs, unified=unified)
+        e.generate([head], GREEDY)  # finishes; its slot keeps the prompt
+        e.add_request(other, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        rid = e.add_request(prompt, GREEDY)
+        while e.has_work:
+            e.step()
+            e.blocks.check()
+        texts.append(e.requests[rid].output)
+        assert e.requests[rid].cached_tokens == 64, seqs
+        assert len(e.kv_sync.retained) <= seqs and set(e.runner._slots) == set(e.kv_sync.retained)  # noqa: SLF001
+        e.kv_sync.close()
+    assert texts[0] == texts[1] and len(texts[0]) == GREEDY.max_tokens
+
+
 def test_abort_frees_blocks_and_slot() -> None:
     e = engine()
     rid = e.add_request(prompts()[2], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))

@@ -339,6 +339,15 @@ class LlamaCppRunner(Runner):
         self._mem.seq_cp(src, dst, -1, -1)
         self._mem.seq_rm(dst, num_tokens, -1)
 
+    def adopt_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:
+        """Give `src_seq`'s slot to `dst_seq` (which holds none), keeping its first `num_tokens` positions."""
+        self._check_open()
+        if src_seq not in self._slots or dst_seq in self._slots:
+            raise ValueError(f"adopt_prefix: sequence {src_seq} must hold a slot and {dst_seq} none")
+        slot = self._slots.pop(src_seq)
+        self._slots[dst_seq] = slot
+        self._mem.seq_rm(slot, num_tokens, -1)
+
     def save_seq_state(self, seq_id: int) -> bytes:
         """The sequence's KV cells as llama.cpp serializes them (`llama_state_seq_get_data`)."""
         self._check_open()

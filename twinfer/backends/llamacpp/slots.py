@@ -26,15 +26,19 @@ class SlotKVSync(KVSync):
         self.owner: dict[int, int] = {}  # block id -> the sequence whose slot holds its KV
         self.retained: OrderedDict[int, None] = OrderedDict()  # finished sequences kept for their prefix
         self.evicted: set[int] = set()  # owners of blocks evicted since the last step
+        self.claimed: set[int] = set()  # kept sequences a request of this step may take over (no slot free)
         blocks.on_evict = self._on_evict
 
     def reusable(self, block_ids: list[int]) -> int:
-        """Only a prefix some sequence still holds, and only with a slot free while a kept source stays."""
+        """Only a prefix some sequence still holds. With no slot free for a copy, one request a step takes
+        over a kept source's slot, as llama-server hands a new request the slot holding its prompt."""
         while block_ids and self.owner.get(block_ids[-1]) is None:
             block_ids = block_ids[:-1]
         owner = self.owner.get(block_ids[-1]) if block_ids else None
-        if owner in self.retained and self.running() + 2 > self.slots:
-            return 0
+        if owner is not None and owner in self.retained and self.running() + 2 > self.slots:
+            if owner in self.claimed:
+                return 0
+            self.claimed.add(owner)
         return len(block_ids)
 
     def begin_step(self, preempted: list[int], admitted: list[tuple[int, int]]) -> None:
@@ -50,9 +54,14 @@ class SlotKVSync(KVSync):
                 src = self.owner.get(self.blocks.table(seq_id)[prefix_blocks - 1])
                 if src is not None and src != seq_id:
                     copies.append((src, seq_id, prefix_blocks * self.blocks.block_size))
+        self.claimed.clear()
+        last = {src: i for i, (src, _, _) in enumerate(copies)}
         self._trim_retained(keep={src for src, _, _ in copies})
         for i, (src, dst, n) in enumerate(copies):
-            self.runner.copy_prefix(src, dst, n)
+            if src in self.retained and last[src] == i and self.running() + len(self.retained) > self.slots:
+                self._adopt(src, dst, n)
+            else:
+                self.runner.copy_prefix(src, dst, n)
             self._trim_retained(keep={later for later, _, _ in copies[i + 1 :]})
 
     def computed(self, seq_id: int, num_computed: int) -> None:
@@ -102,6 +111,15 @@ class SlotKVSync(KVSync):
             if seq_id not in keep:
                 self._drop_retained(seq_id)
                 over -= 1
+
+    def _adopt(self, src: int, dst: int, num_tokens: int) -> None:
+        """The kept `src`'s slot becomes `dst`'s, cut to its first `num_tokens` positions."""
+        del self.retained[src]
+        kept = set(self.blocks.table(dst)[: num_tokens // self.blocks.block_size])
+        self._disown(src, [b for b, owner in self.owner.items() if owner == src and b not in kept])
+        for block_id in kept:
+            self.owner[block_id] = dst
+        self.runner.adopt_prefix(src, dst, num_tokens)
 
     def _drop_retained(self, seq_id: int) -> None:
         self.retained.pop(seq_id, None)
