@@ -120,6 +120,27 @@ def test_the_default_gap_is_a_tenth_of_a_start_at_most_50_ms() -> None:
     assert 0.02 <= ae.gather_gap_s() <= AsyncEngine.GATHER_MAX_S
 
 
+def test_a_lone_client_never_waits_and_a_burst_turns_gathering_back_on() -> None:
+    """One client at a time (each request after the last finished): once a start from idle had no company,
+    the next starts at once; a burst queued behind a lone start turns the gap back on for the next one."""
+    runner = StepLog(step_s=0.45)  # a gap of 45 ms once measured, against arrivals 10 ms apart
+    ae = engine(runner, gather_s=None)
+    ae.start()
+
+    async def main() -> None:
+        for i in range(3):
+            await finish(ae, [1 + i, 2, 3])
+            await asyncio.sleep(0.3)  # past four gaps of at most 50 ms
+        assert ae.gather_gap_s() == 0.0
+        await burst(ae, 3, 0.01)
+        assert 0.02 <= ae.gather_gap_s() <= AsyncEngine.GATHER_MAX_S
+        await burst(ae, 3, 0.01)
+
+    asyncio.run(main())
+    steps = runner.prompts_per_step  # prompts starting in each step: a request is a prefill and a decode
+    assert steps == [1, 0] * 3 + [1, 2, 0] + [3, 0], steps  # lone starts; a burst's first alone; then gathered
+
+
 def test_a_negative_gap_is_refused() -> None:
     with pytest.raises(ValueError, match="gather_s"):
         engine(StepLog(), gather_s=-1.0)

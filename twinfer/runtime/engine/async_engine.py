@@ -93,6 +93,7 @@ class _Add:
     priority: int
     stream: _Stream
     images: tuple[Image, ...] = ()
+    arrived: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -154,7 +155,8 @@ class AsyncEngine:
     `max_queue`: requests allowed to wait beyond those running; past it `generate` raises `Overloaded`.
     `gather_s`: an idle engine keeps taking a burst's requests while they arrive less than this apart,
     so the burst prefills in one step (0: start at once; None: a tenth of the last idle start's cost per
-    request, at most 50 ms). Methods run on one event loop; `abort` may be called from any thread."""
+    request, at most 50 ms, and only while the last start from idle had company: a lone client never
+    waits). Methods run on one event loop; `abort` may be called from any thread."""
 
     GATHER_SPANS = 4
     GATHER_SHARE = 0.1  # gather_s=None: this share of the last step that started from idle ...
@@ -171,6 +173,8 @@ class AsyncEngine:
         self.gather_s = gather_s
         self._idle_start_step_s = 0.0  # the runner's time in the last step from idle, over the requests it took
         self._gathered = 0  # requests the last inbox drain took
+        self._idle_arrival: float | None = None  # when the request of the last start from idle arrived
+        self._burst = True  # whether another request followed that one within the gathering span
         self.handoff_wait_s = 0.05  # the most a step waits for the loop to take the previous step's output
         self.max_running = engine.scheduler.config.max_seqs
         self.max_context = engine.max_context
@@ -359,7 +363,16 @@ class AsyncEngine:
         """How long the engine thread waits for the next request of a burst that found it idle."""
         if self.gather_s is not None:
             return self.gather_s
+        return self._auto_gap_s() if self._burst else 0.0
+
+    def _auto_gap_s(self) -> float:
         return min(self.GATHER_MAX_S, self.GATHER_SHARE * self._idle_start_step_s)
+
+    def _arrival(self, arrived: float, idle: bool) -> None:
+        """Judge whether the last start from idle was a burst's: the next request came within the span."""
+        if self._idle_arrival is not None:
+            self._burst = arrived - self._idle_arrival <= self.GATHER_SPANS * self._auto_gap_s()
+        self._idle_arrival = arrived if idle else None
 
     def _drain_inbox(self, streams: dict[str, _Stream], block: bool) -> bool:
         """Apply queued messages (False: stop); blocks for the first when idle, then gathers its burst."""
@@ -378,7 +391,10 @@ class AsyncEngine:
                 if block:
                     continue
                 return True
+            if isinstance(message, _Add):
+                self._arrival(message.arrived, idle=block)
             if block and isinstance(message, _Add):
+                gap = self.gather_gap_s()  # judged with this arrival
                 gather_until = time.perf_counter() + self.GATHER_SPANS * gap
             self._gathered += isinstance(message, _Add)
             block = False
