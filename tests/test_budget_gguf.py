@@ -128,6 +128,18 @@ def test_paged_experts_are_lossless_and_bounded(moe_gguf: Path) -> None:
     assert whole["max_rss"] - whole["base"]["VmRSS"] > moe_gguf.stat().st_size  # loaded whole: the file is held
 
 
+def test_paged_experts_are_never_repacked() -> None:
+    """Repacked tensors are copied out of the mapping into anonymous memory (a gpt-oss-shaped MXFP4 + Q8_0
+    file peaked at 3.5 GB for its 1.8 GB, and every run under budget + 600 MB was OOM-killed), so a paged
+    plan turns the fast mode's repacking off."""
+    from dataclasses import replace
+
+    from twinfer.backends.llamacpp.options import options_for_mode
+
+    fast = options_for_mode("fast", n_ctx=256, max_seqs=1)
+    assert fast.repack and not replace(fast, paged_experts_bytes=MB, huge_pages=False).repack
+
+
 def test_bench_takes_the_budget_as_the_session_does(moe_gguf: Path, tmp_path: Path) -> None:
     """`twinfer bench --memory-budget` opens the model through the same session options as generate and serve,
     and reports what the budget chose; against a server (--url) the server's own budget applies."""

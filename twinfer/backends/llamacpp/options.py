@@ -53,6 +53,7 @@ class LlamaCppOptions:
                 raise ValueError("llama.cpp runner: paged experts need mapped weights (huge_pages not True) and "
                                  f"a bound >= 0 bytes (got {self.paged_experts_bytes})")
             object.__setattr__(self, "huge_pages", False)  # mapped: never read into anonymous memory
+            object.__setattr__(self, "repack", False)  # repacked tensors are copied out of the mapping
         if self.kv_type not in KV_TYPES:
             raise ValueError(f"llama.cpp runner: kv_type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.kv_type in ("q8_0", "q4_0") and not self.flash_attn:
