@@ -14,7 +14,9 @@ pages dropped from the page cache first (`/proc/sys/vm/drop_caches` where permit
 
 - `twinfer bench MODEL -c 1 --memory-budget HALF --json` (half the file's bytes; the first run also makes
   the requantized file when the budget chooses one, and is not timed);
-- `llama-bench -m MODEL -p 0 -n 128 -r 2` (the file mapped, the kernel paging it under the same limit).
+- `llama-bench -m MODEL -p 0 -n 128 -r 2` at its defaults, and with `--repack 0` (its default repacking
+  copies the tensors it repacks out of the mapping into anonymous memory; without it the file stays mapped
+  and the kernel pages it under the same limit).
 
 Prints one JSON object per shape: each run's decode tok/s, the cgroup's peak usage (page cache included)
 and OOM kills, the process's own peak RSS (`wait4`), the plan's predicted bytes and its KL (expected and
@@ -150,15 +152,19 @@ def twinfer_run(model: Path, budget: int, limit: int, cache: Path) -> dict[str, 
     return r
 
 
-def llama_bench_run(bin_dir: Path, model: Path, limit: int) -> dict[str, Any]:
+def llama_bench_run(bin_dir: Path, model: Path, limit: int, *extra: str) -> dict[str, Any]:
     from bench_peers import llama_bench_cmd
 
-    r = run_limited([*llama_bench_cmd(bin_dir, model), "-r", "2"], limit)  # paging: two repetitions, not five
+    r = run_limited([*llama_bench_cmd(bin_dir, model), "-r", "2", *extra], limit)  # paging: two repetitions
     if r["rc"] == 0:
         r["decode_tok_s"] = float(json.loads(r["stdout"])[0]["avg_ts"])
     r.pop("stdout")
     return r
 
+
+# the peer at its defaults, and as a user who knows the limit runs it: repacked weights are anonymous copies
+PEERS: dict[str, tuple[str, ...]] = {"llama_bench": (), "llama_bench_repack0": ("--repack", "0")}
+SIDES = ["twinfer", *PEERS]
 
 SHAPES = {"qwen3": "qwen3_moe 16 layers, 64 experts top-4, BF16",
           "gpt-oss": "gpt_oss 4 layers (gpt-oss-20b's), 32 experts top-4, MXFP4 experts, Q8_0 rest"}
@@ -198,19 +204,18 @@ def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path
     out = []
     for i in range(rounds):
         row: dict[str, Any] = {}
-        for side in (("twinfer", "llama_bench") if i % 2 == 0 else ("llama_bench", "twinfer")):
+        for side in SIDES[i % len(SIDES):] + SIDES[: i % len(SIDES)]:
             row["dropped_by"] = drop_cache(model)
             row[side] = (twinfer_run(model, budget, limit, cache) if side == "twinfer"
-                         else llama_bench_run(bin_dir, model, limit))
+                         else llama_bench_run(bin_dir, model, limit, *PEERS[side]))
         out.append(row)
-    tw = [r["twinfer"].get("decode_tok_s", 0.0) for r in out]
-    lb = [r["llama_bench"].get("decode_tok_s", 0.0) for r in out]
+    med = {side: statistics.median(r[side].get("decode_tok_s", 0.0) for r in out) for side in SIDES}
     return {
         "model": {"path": str(model), "bytes": size, "shape": SHAPES[shape], "routing": routing},
         "budget_bytes": budget, "limit_bytes": limit, "warm_up": warm, "rounds": out,
         "routing": routing_report(model, budget),
-        "median_decode_tok_s": {"twinfer": statistics.median(tw), "llama_bench": statistics.median(lb)},
-        "ratio": statistics.median(tw) / statistics.median(lb) if statistics.median(lb) else None,
+        "median_decode_tok_s": med,  # 0: every run killed
+        "ratio": {peer: med["twinfer"] / med[peer] if med[peer] else None for peer in PEERS},
         "hardware": hardware_info(), "kernel": platform.release(),
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
     }
