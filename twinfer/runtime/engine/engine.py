@@ -387,7 +387,7 @@ class Engine:
 
     def _delta(self, request: Request, final: bool = False) -> RequestOutput | None:
         if (request.params.guard.retries or request.params.final_only) and not final:
-            return None  # a retry could replace the text: stream nothing until it is final
+            return None  # a retry could replace the text, or the caller wants the end only
         hold = 0 if final or not request.params.stop else max(len(s) for s in request.params.stop) - 1
         end = max(request.emitted, len(request.text) - hold)
         text = request.text[request.emitted : end]
