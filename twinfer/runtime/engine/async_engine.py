@@ -376,7 +376,7 @@ class AsyncEngine:
 
     def _drain_inbox(self, streams: dict[str, _Stream], block: bool) -> bool:
         """Apply queued messages (False: stop); blocks for the first when idle, then gathers its burst."""
-        gap, gather_until = self.gather_gap_s(), 0.0
+        gap = gather_until = 0.0  # set by the first request of a start from idle
         self._gathered = 0
         while True:
             wait = min(gap, gather_until - time.perf_counter()) if self._gathered < self.max_running else 0.0
