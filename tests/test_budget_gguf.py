@@ -126,6 +126,27 @@ def test_paged_experts_are_lossless_and_bounded(moe_gguf: Path) -> None:
     anon = paged["end"]["RssAnon"] - paged["base"]["RssAnon"]  # KV cache and compute buffers
     assert held <= anon + (pager["dense_mb"] + 1) * MB + bound + step + 4 * MB, (held / MB, anon / MB, pager)
     assert whole["max_rss"] - whole["base"]["VmRSS"] > moe_gguf.stat().st_size  # loaded whole: the file is held
+    # the load left the file unread (lazymap.py) and the pager made room layer by layer: the peak, prompt
+    # included, is nowhere near the file; the router's choices were read ahead (routing.Prefetch)
+    layer = moe_gguf.stat().st_size / 8  # about one layer's experts: what a prompt maps at once
+    assert paged["end"]["VmHWM"] - paged["base"]["VmRSS"] <= anon + (pager["dense_mb"] + 1) * MB + bound + layer, pager
+    assert pager["fetches"] >= 24 * 8 * 4 and pager["trims"] > 24  # every decode step, every layer
+
+
+def test_lazy_map_finds_llama_cpps_mmap_slot() -> None:
+    """The slot `unpopulated` repoints is found in the installed libllama, and nothing else is touched."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("Linux only")
+    from twinfer.backends.llamacpp import lazymap
+
+    library = os.path.realpath(llama_cpp.llama_cpp._lib._name)
+    assert lazymap.got_slots(Path(library).read_bytes(), "mmap")
+    assert lazymap.got_slots(b"not an ELF file", "mmap") == []
+    with lazymap.unpopulated(library) as slots:
+        assert slots >= 1
+    with lazymap.unpopulated(ROOT / "README.md") as slots:  # not loaded here: the load stays as it was
+        assert slots == 0
 
 
 def test_paged_experts_are_never_repacked() -> None:

@@ -72,7 +72,7 @@ class LocalStrategy:
             parts.append(f"requantized by llama.cpp to {self.requantize.upper()}{embed}")
         if self.expert_cache_bytes is not None and self.backend == "llamacpp":
             parts.append(f"the file mapped, dense weights resident, at most {self.expert_cache_bytes / mb:.0f} MB of "
-                         "routed-expert pages kept, the rest read from the file as tokens route to them")
+                         "routed-expert pages kept, the rest read ahead from the file as each layer's router picks them")
         elif self.expert_cache_bytes is not None:
             parts.append(f"routed experts streamed from the file through a {self.expert_cache_bytes / mb:.0f} MB "
                          "LRU cache with next-layer prefetch")

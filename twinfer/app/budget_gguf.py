@@ -4,12 +4,14 @@ are scored as every plan is (speed discounted by expected KL); the summary names
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from twinfer.app.budget import _FTYPES, LocalStrategy
 from twinfer.runtime.loaders import LoadedModel
 
 if TYPE_CHECKING:
+    from twinfer.planners.calibration import Calibration
     from twinfer.planners.hardware import Cluster
     from twinfer.planners.search import Candidate, Request
 
@@ -39,6 +41,7 @@ def paged_or_requantized(paged: Candidate, cluster: Cluster, request: Request, b
     from twinfer.planners.search import enumerate_strategies, evaluate, score, target_of
 
     cal = Calibration()
+    paged = _stored(paged, cluster, request, cal)
     pairs = enumerate_strategies(paged.profile, cluster, request, target_of(cluster), requantize=True)
     whole = [c for c in (evaluate(p, cluster, s, request, cal) for s, p in pairs)
              if c.fits and not c.strategy.stream_fraction and c.tier <= GOOD
@@ -56,6 +59,8 @@ def paged_or_requantized(paged: Candidate, cluster: Cluster, request: Request, b
     assert moe is not None
     routed = paged.profile.expert_bytes(s.mix) * paged.profile.moe_layers * moe.num_experts
     bound = max(0, int(routed - mem.streamed_weights))
+    # the pager makes room layer by layer (paging.py): a prompt maps all of one layer's experts at once
+    step_touch = max(bound, int(routed / paged.profile.moe_layers))
     why = (f"Every weight resident would need {mem.weights_bytes / 1e6:.0f} MB; at batch 1 a token reads its "
            f"top-{moe.top_k} of {moe.num_experts} experts per layer, so the stored file is paged (lossless, "
            f"about {page_tps:.1f} tok/s predicted, reads from disk)",)
@@ -63,7 +68,21 @@ def paged_or_requantized(paged: Candidate, cluster: Cluster, request: Request, b
         why += (f"Requantized to {best.strategy.mix.label or best.strategy.mix.name} it would fit whole at about "
                 f"{1.0 / best.single.latency_s:.1f} tok/s for about {best.kl:.4f} nats of KL",)
     return LocalStrategy(budget, "llamacpp", "as stored, paged from the file", s.kv.label, kv_type=s.kv.name,
-                         expert_cache_bytes=bound, predicted_bytes=int(mem.used - mem.overhead), reasons=why, expected_kl=paged.kl)
+                         expert_cache_bytes=bound, predicted_bytes=int(mem.used - mem.overhead) + step_touch - bound, reasons=why, expected_kl=paged.kl)
+
+
+def _stored(paged: Candidate, cluster: Cluster, request: Request, cal: Calibration) -> Candidate:
+    """The plan with the stored file streamed, as the pager runs it: the planner's streamed plan may be a
+    requantized one (its bound and bytes would then be another format's). The best-scoring share that fits,
+    else the one that streams most."""
+    from twinfer.planners.search import STREAM_SHARES, evaluate, score
+
+    stored = paged.profile.stored
+    if stored is None or paged.strategy.mix == stored:
+        return paged
+    options = [evaluate(paged.profile, cluster, replace(paged.strategy, mix=stored, stream_fraction=share), request, cal)
+               for share in STREAM_SHARES]
+    return max([c for c in options if c.fits], key=score, default=options[-1])
 
 
 def _requantized(c: Candidate, budget: int, why: tuple[str, ...]) -> LocalStrategy:

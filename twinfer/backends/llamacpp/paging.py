@@ -3,7 +3,9 @@ to run an MoE bigger than the budget on llama.cpp (Linux).
 
 `ExpertPager` keeps dense tensors resident (locked where allowed), drops expert pages after the load and
 again whenever the process's file pages grew past `bound` (`MADV_DONTNEED`; the page cache keeps them):
-the process holds the dense weights plus at most `bound` of experts plus one step's touch."""
+the process holds the dense weights plus at most `bound` of experts plus one step's touch. `fetch` reads
+the experts a layer's router chose before its matmuls fault them in: one readahead per expert slice, all in
+flight together (`MADV_WILLNEED`), instead of one page-fault read-around at a time."""
 
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ class PagerStats:
     peak_file: int = 0  # most file bytes mapped at the end of a step, before its trim (since `reset_peak`)
     hits: int = 0  # experts a step needed whose pages were all mapped (`need`)
     misses: int = 0
+    fetches: int = 0  # experts `fetch` asked the kernel to read ahead
 
 
 class ExpertPager:
@@ -148,12 +151,12 @@ class ExpertPager:
         return rss_file()
 
     def describe(self) -> dict[str, int]:
-        """Sizes in MiB, trims and expert hits and misses, for the runner's `describe()`."""
+        """Sizes in MiB, trims, expert hits and misses and read-aheads, for the runner's `describe()`."""
         mib = 2**20
         s = self.stats
         return {"bound_mb": round(self.bound / mib), "dense_mb": round(s.dense_bytes / mib),
                 "experts_mb": round(s.expert_bytes / mib), "locked_mb": round(s.locked_bytes / mib), "trims": s.trims,
-                "peak_file_mb": round(s.peak_file / mib), "hits": s.hits, "misses": s.misses}
+                "peak_file_mb": round(s.peak_file / mib), "hits": s.hits, "misses": s.misses, "fetches": s.fetches}
 
     def need(self, layer: int, experts: Iterable[int]) -> None:
         """Count the experts a step is about to read in `layer` as hits (every page mapped) or misses."""
@@ -170,6 +173,26 @@ class ExpertPager:
                     self.stats.hits += 1
                 else:
                     self.stats.misses += 1
+
+    def make_room(self, layer: int, experts: int) -> None:
+        """Trim now if `experts` more experts of `layer` would take the mapped experts past the bound: a
+        prompt routes to every expert, so a step is bounded layer by layer, not only at its end."""
+        incoming = experts * sum(nbytes for _, nbytes in self._slices.get(layer, []))
+        now = rss_file()
+        self.stats.peak_file = max(self.stats.peak_file, now)
+        if now - self._floor + incoming > self.bound:
+            self._floor = self.trim()
+
+    def fetch(self, layer: int, experts: Iterable[int]) -> None:
+        """Start reading `experts`' pages of `layer` from the file, every slice at once; pages already
+        cached cost nothing. The matmuls that follow wait only for reads still in flight."""
+        libc, size = _libc(), mmap.PAGESIZE
+        chosen = list(experts)
+        for addr, nbytes in self._slices.get(layer, []):
+            for e in chosen:
+                lo = (addr + e * nbytes) // size * size
+                libc.madvise(lo, addr + (e + 1) * nbytes - lo, MADV_WILLNEED)
+        self.stats.fetches += len(chosen)
 
     def reset_peak(self) -> None:
         """Start `stats.peak_file` again (a prompt maps every expert; decode steps map their top-k)."""

@@ -31,6 +31,23 @@ def _rows(t: _Tensor, dtype: type[np.generic]) -> np.ndarray:
 
 
 @dataclass
+class Prefetch:
+    """A paged runner's eval callback: at each layer's `ffn_moe_topk` (the router's choice, computed before
+    the expert matmuls read anything) the pager makes room for the chosen experts and starts reading them."""
+
+    pager: paging.ExpertPager
+
+    def callback(self, t_ptr: int, ask: bool, _: int) -> bool:
+        name = _Tensor.from_address(t_ptr).name
+        if ask:
+            return name.startswith(b"ffn_moe_topk-")
+        chosen, layer = np.unique(_rows(_Tensor.from_address(t_ptr), np.int32)), int(name.rsplit(b"-", 1)[1])
+        self.pager.make_room(layer, len(chosen))
+        self.pager.fetch(layer, chosen.tolist())
+        return True
+
+
+@dataclass
 class RouteTrace:
     """Per step and layer the distinct experts chosen (told to `pager.need` before they run); with `capture`,
     each layer's router input rows."""

@@ -5,6 +5,7 @@ unified cache of `n_ctx` cells, or one stream per sequence with `unified_kv=Fals
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import heapq
 import os
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from twinfer.backends.llamacpp import hugepages, paging
+from twinfer.backends.llamacpp import hugepages, lazymap, paging, routing
 from twinfer.backends.llamacpp._batch import BatchBuffer, check_images, decode_image, plan_windows
 from twinfer.backends.llamacpp._lib import (
     MemoryOps,
@@ -63,8 +64,9 @@ class KVCacheFull(DecodeError):
 
 
 def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | None,
-                placement: Placement | None = None) -> tuple[Any, int, AppliedPlacement]:
-    """The model, its weight bytes on huge pages (None: decided from the host), and its placement."""
+                placement: Placement | None = None, paged: bool = False) -> tuple[Any, int, AppliedPlacement]:
+    """The model, its weight bytes on huge pages (None: decided from the host), and its placement; `paged`
+    maps the file without reading it all (lazymap.py)."""
     if not path.exists():
         raise ModelError(f"model file not found: {path}")
     if not path.is_file():
@@ -89,7 +91,9 @@ def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | No
         else:
             params.use_mmap = False
         params.progress_callback = callback
-    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    library = getattr(getattr(lib, "_lib", None), "_name", None)
+    with lazymap.unpopulated(library) if paged and library else contextlib.nullcontext(0):
+        model = lib.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelError(
             f"llama.cpp could not load {path}: the file is corrupt or truncated, or its architecture is "
@@ -158,12 +162,17 @@ class LlamaCppRunner(Runner):
         maps_before = paging.read_maps() if o.paged_experts_bytes is not None else ""
         with quiet_amx_notice(self.amx == "denied" and not o.verbose):
             self._model, self.huge_page_bytes, self.placed = _load_model(lib, self.path, repack, o.huge_pages,
-                                                                         o.placement)
+                                                                         o.placement, o.paged_experts_bytes is not None)
         self.pager = (paging.ExpertPager.attach(self.path, maps_before, o.paged_experts_bytes)
                       if o.paged_experts_bytes is not None else None)
         self.unified_kv = unified_kv = o.unified_kv
         total = n_ctx if unified_kv else n_ctx * max_seqs  # per-sequence streams: n_ctx cells each
         params = _context_params(lib, o, total, self.n_threads)
+        # a paged model reads each layer's routed experts ahead of its matmuls (routing.Prefetch)
+        self._route_hook = (lib.ggml_backend_sched_eval_callback(routing.Prefetch(self.pager).callback)
+                            if self.pager is not None else None)  # referenced until the context is freed
+        if self._route_hook is not None:
+            params.cb_eval, params.cb_eval_user_data = self._route_hook, None
         before = hugepages.snapshot() if self.huge_page_bytes else None
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:
