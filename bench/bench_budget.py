@@ -18,8 +18,8 @@ pages dropped from the page cache first (`/proc/sys/vm/drop_caches` where permit
   copies the tensors it repacks out of the mapping into anonymous memory; without it the file stays mapped
   and the kernel pages it under the same limit).
 
-Prints one JSON object per shape: each run's decode tok/s, the cgroup's peak usage (page cache included)
-and OOM kills, the process's own peak RSS (`wait4`), the plan's predicted bytes and its KL (expected and
+Prints one JSON object per shape: each run's decode tok/s, the cgroup's peak usage (page cache included),
+OOM kills and whether it was killed after thrashing 5 minutes, the process's own peak RSS (`wait4`), the plan's predicted bytes and its KL (expected and
 measured), the budget's summary, the load average, and the host, kernel and builds; and, untimed, the routing
 (per-layer usage entropy against log(experts)) and the expert pager's hit rate with the budget less the dense
 weights as its bound, over 128 decode steps of a text favouring no token and of prose. `--routing uniform`
@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,13 @@ def limited(limit: int) -> Iterator[tuple[list[str], Path | None]]:
             group.rmdir()
 
 
+RUN_TIMEOUT_S = 300  # a run that thrashes under the limit this long is killed and reported as timed out
+
+
 def run_limited(cmd: list[str], limit: int, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `cmd` under `limit`; its exit code, stdout, and the cgroup's peak and OOM kills (v1)."""
+    """Run `cmd` under `limit`; its exit code, stdout, the cgroup's peak and OOM kills (v1), and whether it
+    ran past `RUN_TIMEOUT_S` (killed: a process whose pages the limit keeps evicting can thrash for hours
+    without an OOM kill)."""
     with limited(limit) as (prefix, group):
         def enter() -> None:
             if group is not None:
@@ -126,11 +132,16 @@ def run_limited(cmd: list[str], limit: int, env: dict[str, str] | None = None) -
         with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
             proc = subprocess.Popen([*prefix, *cmd], stdout=so, stderr=se, text=True,
                                     env={**os.environ, **(env or {})}, preexec_fn=enter)
+            killer = threading.Timer(RUN_TIMEOUT_S, proc.kill)
+            killer.start()
             _, status, usage = os.wait4(proc.pid, 0)
+            timed_out = not killer.is_alive()
+            killer.cancel()
             proc.returncode = os.waitstatus_to_exitcode(status)
             so.seek(0), se.seek(0)
             out: dict[str, Any] = {"rc": proc.returncode, "stdout": so.read(), "stderr": se.read()[-2000:],
-                                   "rss_peak_bytes": usage.ru_maxrss * 1024, "load_average": os.getloadavg()}
+                                   "rss_peak_bytes": usage.ru_maxrss * 1024, "load_average": os.getloadavg(),
+                                   "timed_out": timed_out}
         if group is not None:
             out["peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
             oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
@@ -192,6 +203,15 @@ def routing_report(model: Path, budget: int) -> dict[str, Any]:
     return {"bound_bytes": bound} | {name: trace(model, t[:1], t[1:], bound=bound)[1].summary() for name, t in texts.items()}
 
 
+# what a `twinfer bench` process holds before it opens a model: the peak-against-plan comparison's zero
+BASELINE = """
+import twinfer.app.bench, twinfer.cli.bench_cmd, twinfer.cli.main
+from twinfer.backends.llamacpp._lib import load_llama_cpp
+from twinfer.runtime.tokenizer import load_tokenizer
+load_llama_cpp(), load_tokenizer({model!r})
+"""
+
+
 def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path, routing: str) -> dict[str, Any]:
     """Warm-up, then `rounds` interleaved pairs of twinfer and llama-bench under one limit, for one model."""
     from twinfer.app.bench import hardware_info
@@ -200,6 +220,7 @@ def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path
     budget = size // 2
     limit = budget + HEADROOM
     drop_cache(model)
+    baseline = run_limited([sys.executable, "-c", BASELINE.format(model=str(model))], limit)["rss_peak_bytes"]
     warm = twinfer_run(model, budget, limit, cache)  # makes the requantized file if the budget asks for one
     out = []
     for i in range(rounds):
@@ -212,7 +233,10 @@ def bench_shape(model: Path, shape: str, bin_dir: Path, rounds: int, cache: Path
     med = {side: statistics.median(r[side].get("decode_tok_s", 0.0) for r in out) for side in SIDES}
     return {
         "model": {"path": str(model), "bytes": size, "shape": SHAPES[shape], "routing": routing},
-        "budget_bytes": budget, "limit_bytes": limit, "warm_up": warm, "rounds": out,
+        "budget_bytes": budget, "limit_bytes": limit, "baseline_rss_bytes": baseline, "warm_up": warm, "rounds": out,
+        # the plan's model bytes against the process's peak less its interpreter, libraries and tokenizer
+        "peak_over_predicted": [r["twinfer"]["rss_peak_bytes"] - baseline - r["twinfer"]["predicted_bytes"]
+                                for r in out if r["twinfer"].get("predicted_bytes")],
         "routing": routing_report(model, budget),
         "median_decode_tok_s": med,  # 0: every run killed
         "ratio": {peer: med["twinfer"] / med[peer] if med[peer] else None for peer in PEERS},
