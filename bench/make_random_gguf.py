@@ -29,6 +29,18 @@ Q4_K_M = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
 SHAPES = {"llama1b": (16, 16, 500000.0), "tinyllama": (22, 32, 10000.0)}  # layers, heads, rope theta
 
 
+def fill_vocab(folder: Path, size: int) -> None:
+    """Fill the tokenizer up to `size` with plain tokens ("<t320>", ...). Left to the converter, the missing
+    ids become unused [PAD] tokens that detokenize to nothing, and a random head picks them nearly always:
+    llama-server then streams empty text, which load generators count as failed requests."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens([f"<t{i}>" for i in range(len(tok), size)])
+    assert len(tok) == size, len(tok)
+    tok.save_pretrained(folder)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for the Hugging Face copy and the GGUF files")
@@ -53,7 +65,8 @@ def main() -> None:
                       rope_theta=theta, tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.float16).save_pretrained(hf)
-    save_tiny_tokenizer(hf, "deepseek")  # a byte-level BPE tokenizer; the converter pads its vocab to 32,000
+    save_tiny_tokenizer(hf, "deepseek")  # a byte-level BPE tokenizer of a few hundred tokens
+    fill_vocab(hf, cfg.vocab_size)
     f16, q4 = out / f"{a.shape}-f16.gguf", out / f"{a.shape}-q4_k_m.gguf"
     convert(hf, f16, outtype="f16")
     params = llama_cpp.llama_model_quantize_default_params()
