@@ -129,7 +129,8 @@ def test_paged_experts_are_lossless_and_bounded(moe_gguf: Path) -> None:
     # the load left the file unread (lazymap.py) and the pager made room layer by layer: the peak, prompt
     # included, is nowhere near the file; the router's choices were read ahead (routing.Prefetch)
     layer = moe_gguf.stat().st_size / 8  # about one layer's experts: what a prompt maps at once
-    assert paged["end"]["VmHWM"] - paged["base"]["VmRSS"] <= anon + (pager["dense_mb"] + 1) * MB + bound + layer, pager
+    peak = paged["end"]["VmHWM"] - paged["base"]["VmRSS"]
+    assert peak <= anon + (pager["dense_mb"] + 1) * MB + bound + layer + step + 4 * MB, (peak / MB, pager)
     assert pager["fetches"] >= 24 * 8 * 4 and pager["trims"] > 24  # every decode step, every layer
 
 

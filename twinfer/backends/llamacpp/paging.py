@@ -89,7 +89,7 @@ class PagerStats:
     expert_bytes: int = 0
     locked_bytes: int = 0  # dense bytes mlock accepted (0 where RLIMIT_MEMLOCK is small)
     trims: int = 0
-    peak_file: int = 0  # most file bytes mapped at the end of a step, before its trim (since `reset_peak`)
+    peak_file: int = 0  # most file bytes mapped at a router or a step's end, before a trim (since `reset_peak`)
     hits: int = 0  # experts a step needed whose pages were all mapped (`need`)
     misses: int = 0
     fetches: int = 0  # experts `fetch` asked the kernel to read ahead
