@@ -19,8 +19,9 @@ pages dropped from the page cache first (`/proc/sys/vm/drop_caches` where permit
   and the kernel pages it under the same limit).
 
 Prints one JSON object per shape: each run's decode tok/s, the cgroup's peak usage (page cache included),
-OOM kills and whether it was killed after thrashing 5 minutes, the process's own peak RSS (`wait4`), the plan's predicted bytes and its KL (expected and
-measured), the budget's summary, the load average, and the host, kernel and builds; and, untimed, the routing
+OOM kills and whether it was killed after thrashing 5 minutes, the process's own peak RSS (`wait4`) and the
+interpreter's baseline, the plan's predicted bytes and its KL (expected and measured), the budget's summary,
+the load average, and the host, kernel and builds; and, untimed, the routing
 (per-layer usage entropy against log(experts)) and the expert pager's hit rate with the budget less the dense
 weights as its bound, over 128 decode steps of a text favouring no token and of prose. `--routing uniform`
 runs the shapes with routers that spread top-k evenly (tests/moe_gguf.py `uniform_routing`).

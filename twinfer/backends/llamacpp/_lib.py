@@ -47,10 +47,16 @@ def address_function(lib: ModuleType, name: str) -> Callable[[Any], int | None]:
     return lambda ctx: ctypes.cast(typed(ctx), _VOIDP).value
 
 
+def library_path(lib: ModuleType) -> str | None:
+    """The file of the libllama llama-cpp-python loaded (None where its loader does not say)."""
+    name = getattr(getattr(lib, "_lib", None), "_name", None)
+    return name if isinstance(name, str) and name else None
+
+
 def _sibling(lib: ModuleType, stem: str) -> ctypes.CDLL | None:
     """The ggml library `stem` ("ggml", "ggml-base") next to the libllama llama-cpp-python loaded: the same
     file, so the same loaded instance (and backend registry) as libllama's own."""
-    name = getattr(getattr(lib, "_lib", None), "_name", None)
+    name = library_path(lib)
     if not name:
         return None
     folder = Path(name).parent

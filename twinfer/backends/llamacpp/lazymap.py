@@ -1,10 +1,6 @@
-"""A llama.cpp load that maps the GGUF without reading all of it (Linux): what a paged budget needs.
-
-llama.cpp maps model files with `MAP_POPULATE`, which reads the whole file into the page cache and into
-the process before the first token: a model twice its budget briefly holds all of it. `unpopulated()`
-points libllama's `mmap` slot in its global offset table at a wrapper that drops `MAP_POPULATE` for the
-length of the load, then puts the slot back; pages are read when used, or when the expert pager fetches
-them. Where the slot cannot be found (another platform, a static build) the load stays as it was."""
+"""A llama.cpp load that maps the GGUF unread (Linux), for a paged budget: llama.cpp maps with `MAP_POPULATE`,
+reading the whole file first. `unpopulated()` points libllama's `mmap` GOT slot at a wrapper dropping that
+flag for the load, then puts it back; without the slot (another platform, a static build) nothing changes."""
 
 from __future__ import annotations
 
@@ -16,6 +12,8 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+from twinfer.backends.llamacpp.paging import file_mappings, read_maps
+
 MAP_POPULATE = 0x8000
 PROT_READ, PROT_WRITE = 1, 2
 SHT_RELA, PT_LOAD = 4, 1
@@ -26,8 +24,7 @@ _MMAP = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctyp
 
 
 def got_slots(elf: bytes, symbol: str) -> list[int]:
-    """Link-time addresses of the GOT slots a shared object's relocations fill with `symbol`, less the
-    first loadable segment's address (so: offsets from the load base); [] where none or not ELF64 LE."""
+    """Offsets from the load base of the GOT slots an ELF64 LE object fills with `symbol` ([] if none)."""
     if elf[:6] != b"\x7fELF\x02\x01":
         return []
     machine, = struct.unpack_from("<H", elf, 0x12)
@@ -54,23 +51,13 @@ def got_slots(elf: bytes, symbol: str) -> list[int]:
     return out
 
 
-def _base(path: str) -> int | None:
-    """Where `path` is loaded in this process: its first mapping's address (file offset 0)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == path and int(fields[2], 16) == 0:
-                return int(fields[0].split("-")[0], 16)
-    return None
-
-
-def _writable(address: int) -> bool | None:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            span, perms = line.split(maxsplit=2)[:2]
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= address < hi:
-                return "w" in perms
+def _writable(address: int, maps: str) -> bool | None:
+    """Whether the mapping holding `address` in a /proc/PID/maps text is writable (None: not mapped)."""
+    for line in maps.splitlines():
+        span, perms = line.split(maxsplit=2)[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            return "w" in perms
     return None
 
 
@@ -78,9 +65,9 @@ def _writable(address: int) -> bool | None:
 def unpopulated(library: str | os.PathLike[str]) -> Iterator[int]:
     """Within the block, `library`'s calls to mmap never populate; yields how many slots were pointed at
     the wrapper (0: nothing changed)."""
-    path = os.path.realpath(library)
+    path, maps = os.path.realpath(library), read_maps()
+    base = min((start for start, _, offset in file_mappings(Path(path), maps) if offset == 0), default=None)
     try:
-        base = _base(path)
         offsets = got_slots(Path(path).read_bytes(), "mmap") if base is not None else []
     except (OSError, ValueError, struct.error):
         offsets = []
@@ -99,7 +86,7 @@ def unpopulated(library: str | os.PathLike[str]) -> Iterator[int]:
     try:
         for off in offsets:
             slot = ctypes.c_void_p.from_address(base + off)
-            writable = _writable(base + off)
+            writable = _writable(base + off, maps)
             if writable is None:
                 continue
             page = (base + off) // mmap.PAGESIZE * mmap.PAGESIZE

@@ -30,6 +30,12 @@ def _rows(t: _Tensor, dtype: type[np.generic]) -> np.ndarray:
     return np.stack([np.ctypeslib.as_array(row.from_address(t.data + j * t.nb[1])) for j in range(n1)])
 
 
+def _topk(t_ptr: int) -> tuple[int, list[int]]:
+    """An `ffn_moe_topk-L` tensor's layer L and the distinct experts its rows chose, ascending."""
+    t = _Tensor.from_address(t_ptr)
+    return int(t.name.rsplit(b"-", 1)[1]), np.unique(_rows(t, np.int32)).tolist()
+
+
 @dataclass
 class Prefetch:
     """A paged runner's eval callback: at each layer's `ffn_moe_topk` (the router's choice, computed before
@@ -38,12 +44,11 @@ class Prefetch:
     pager: paging.ExpertPager
 
     def callback(self, t_ptr: int, ask: bool, _: int) -> bool:
-        name = _Tensor.from_address(t_ptr).name
         if ask:
-            return name.startswith(b"ffn_moe_topk-")
-        chosen, layer = np.unique(_rows(_Tensor.from_address(t_ptr), np.int32)), int(name.rsplit(b"-", 1)[1])
+            return _Tensor.from_address(t_ptr).name.startswith(b"ffn_moe_topk-")
+        layer, chosen = _topk(t_ptr)
         self.pager.make_room(layer, len(chosen))
-        self.pager.fetch(layer, chosen.tolist())
+        self.pager.fetch(layer, chosen)
         return True
 
 
@@ -63,11 +68,11 @@ class RouteTrace:
         wanted = name.startswith("ffn_moe_topk-") or (self.capture and name.startswith("ffn_moe_logits-"))
         if ask or not wanted:
             return wanted if ask else True  # False after the ask stops the graph
-        layer = int(name.rsplit("-", 1)[1])
         if name.startswith("ffn_moe_logits-"):  # mul_mat(router, x): x is src[1], [tokens, hidden]
+            layer = int(name.rsplit("-", 1)[1])
             self.inputs.setdefault(layer, []).append(_rows(_Tensor.from_address(t.src[1]), np.float32))
             return True
-        chosen = sorted({int(e) for e in _rows(t, np.int32).ravel()})
+        layer, chosen = _topk(t_ptr)
         self.steps[-1][layer] = chosen
         if self.pager is not None:
             self.pager.need(layer, chosen)

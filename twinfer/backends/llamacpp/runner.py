@@ -22,6 +22,7 @@ from twinfer.backends.llamacpp._lib import (
     MemoryOps,
     address_function,
     attach_threadpool,
+    library_path,
     load_llama_cpp,
     set_quiet,
     versions,
@@ -91,7 +92,7 @@ def _load_model(lib: ModuleType, path: Path, repack: bool, huge_pages: bool | No
         else:
             params.use_mmap = False
         params.progress_callback = callback
-    library = getattr(getattr(lib, "_lib", None), "_name", None)
+    library = library_path(lib)
     with lazymap.unpopulated(library) if paged and library else contextlib.nullcontext(0):
         model = lib.llama_model_load_from_file(str(path).encode(), params)
     if not model:
