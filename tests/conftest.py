@@ -3,12 +3,15 @@
 Every plan the suite makes sees the same hardware on every machine: the probe reads the host named by
 $TWINFER_HOST_FACTS (a description in tests/hosts/), never the machine the tests run on. Pick another
 simulated host with TWINFER_TEST_HOST=laptop|server|apple. Caches live under a fresh $TWINFER_CACHE
-unless one is given, so no verdict depends on what ran before.
+unless one is given, so no verdict depends on what ran before. Every temporary file of the run, the
+servers it starts included, lies in one folder removed when the run ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -23,7 +26,12 @@ HOST_DIR = Path(__file__).parent / "hosts"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["TWINFER_HOST_FACTS"] = str(HOST_DIR / HOSTS[os.environ.get("TWINFER_TEST_HOST", "laptop")])
-os.environ.setdefault("TWINFER_CACHE", tempfile.mkdtemp(prefix="twinfer-test-cache-"))
+# converted test models are kept between runs (tests/gguf_convert.py): beside the run's folder, not in it
+os.environ.setdefault("TWINFER_TEST_SHARED_CACHE", os.path.join(tempfile.gettempdir(), "twinfer-test-shared"))
+_ROOT = tempfile.mkdtemp(prefix="twinfer-tests-")
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+tempfile.tempdir = os.environ["TMPDIR"] = _ROOT
+os.environ.setdefault("TWINFER_CACHE", tempfile.mkdtemp(prefix="cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -198,3 +198,17 @@ def test_cgroup_headroom_keeps_weights_mapped_in_a_container(tmp_path: Path) -> 
     assert wanted(10**9, "madvise", room) and not wanted(int(1.66e9), "madvise", room)
     own.write_text("0::/\n")
     assert cgroup_headroom(str(tmp_path), str(own)) is None  # no v2 memory.max here: no limit
+
+
+def test_a_budget_only_batch_one_fits_names_max_seqs(moe_gguf: Path) -> None:
+    """Expert paging is a batch-1 plan: a server's budget that fits only at one request at a time says so,
+    beside the budget that would hold every sequence."""
+    from twinfer.app.budget import llamacpp_strategy
+    from twinfer.runtime.errors import PlanError
+    from twinfer.runtime.loaders import load_model
+
+    loaded, budget = load_model(moe_gguf), moe_gguf.stat().st_size // 2
+    assert llamacpp_strategy(loaded, budget, 4096, 1, False).expert_cache_bytes  # paged at batch 1
+    with pytest.raises(PlanError, match=r"raise --memory-budget to \d+ MB.*; or compute one request at a "
+                                        r"time \(--max-seqs 1\): .*stream \d+% of experts fits"):
+        llamacpp_strategy(loaded, budget, 4096, 16, False)

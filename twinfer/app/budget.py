@@ -162,14 +162,18 @@ def llamacpp_strategy(loaded: LoadedModel, budget: int, ctx: int, max_seqs: int,
 
     # the budget is the model's (weights, KV, buffers); the interpreter's share the planner adds comes on top
     cluster = replace(hardware or _host(), memory_budget_bytes=budget + LOCAL_OVERHEAD)
-    plan = make_plan(profile_from_loaded(loaded), cluster, Request(ctx, max_seqs))
+    profile = profile_from_loaded(loaded)
+    plan = make_plan(profile, cluster, Request(ctx, max_seqs))
     offloads = plan.placement is not None and plan.placement.offloads  # on a GPU the rest stay in host RAM, not paged
     if plan.chosen is not None and plan.chosen.strategy.stream_fraction and not offloads:  # a lossless paged plan, or a smaller file
         from twinfer.app.budget_gguf import paged_or_requantized
 
         return _on_cpu(paged_or_requantized(plan.chosen, cluster, Request(ctx, max_seqs), budget), plan.placement)
     if not plan.fits or plan.chosen is None:
-        raise PlanError(f"nothing fits --memory-budget {budget / 1e6:.0f} MB: {plan.suggestion}")
+        one = make_plan(profile, cluster, Request(ctx, 1)) if max_seqs > 1 else None  # only batch 1 streams experts
+        alone = (f"; or compute one request at a time (--max-seqs 1): {one.chosen.strategy.label()} fits"
+                 if one is not None and one.fits and one.chosen is not None else "")
+        raise PlanError(f"nothing fits --memory-budget {budget / 1e6:.0f} MB: {plan.suggestion}{alone}")
     s = plan.chosen.strategy
     if s.engine != "llamacpp":
         raise PlanError(f"the plan for this budget runs on {s.engine}; pass --backend {s.engine}")
