@@ -6,8 +6,8 @@ parameters (each server's own defaults).
     python bench/bench_serve_load.py --llama-bin DIR [--model M.gguf] [--rounds 3] [--aiperf PATH]
         [--tokenizer DIR] [--clients 16] [--once-clients 1,64] [--prompt-words 100] [--out FILE.json]
 
-Rounds interleave the two servers (the order rotates every round); each server starts once a round and
-serves every shape. `--clients` run every round, `--once-clients` in the first round only. AIPerf runs
+Each round starts both servers fresh and runs every shape on one and then on the other, back to back
+(the first alternates by shape and round), so each pair is measured within a minute. `--clients` run every round, `--once-clients` in the first round only. AIPerf runs
 in its own virtual environment (`python -m venv V && V/bin/pip install aiperf`), with a Hugging Face
 tokenizer folder for token counts (`--tokenizer`; `transformers` writes one from the GGUF:
 `AutoTokenizer.from_pretrained(dir, gguf_file=name).save_pretrained(out)`). Prints one JSON object:
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def light(url: str, clients: int, stream: bool, words: int, seed: int) -> dict[s
 
 
 def aiperf(exe: str, tokenizer: str, url: str, model: str, clients: int, stream: bool, seed: int) -> dict[str, Any]:
+    left = set(Path(tempfile.gettempdir()).glob("aiperf_mmap_*"))  # AIPerf leaves these behind
     with tempfile.TemporaryDirectory() as out:
         cmd = [exe, "profile", "--model-names", model, "--url", url, "--endpoint-type", "completions",
                "--concurrency", str(clients), "--request-count", str(clients * per_client(clients)),
@@ -100,35 +102,51 @@ def aiperf(exe: str, tokenizer: str, url: str, model: str, clients: int, stream:
         if done.returncode != 0 or not files:
             raise SystemExit(f"aiperf failed ({done.returncode}): {done.stderr[-2000:]}")
         stats = json.loads(files[0].read_text())
+    for folder in set(Path(tempfile.gettempdir()).glob("aiperf_mmap_*")) - left:
+        shutil.rmtree(folder, ignore_errors=True)
     throughput = stats.get("output_token_throughput") or {}
     ttft = stats.get("time_to_first_token") or {}
     return {"tok_s": throughput.get("avg"), "ttft_p50_ms": ttft.get("p50"),
             "requests": (stats.get("request_count") or {}).get("avg"), "run_s": time.perf_counter() - started}
 
 
-def serve_round(side: str, args: argparse.Namespace, clients: list[int], model_id: dict[str, str],
-                rnd: int) -> list[dict[str, Any]]:
-    """Every shape on one fresh server; each shape sends prompts of its own (no prefix-cache hits
-    between shapes, the same prompts for both servers)."""
-    proc, url = start(side, args.model, args.llama_bin)
+def shapes(clients: list[int], with_aiperf: bool) -> list[tuple[int, bool, str]]:
+    """(clients, streamed, generator) of one round, in the order they run."""
+    gens = ["light", "aiperf"] if with_aiperf else ["light"]
+    return [(c, stream, g) for c in clients for stream in (False, True) for g in gens]
+
+
+def measure(side: str, url: str, args: argparse.Namespace, shape: tuple[int, bool, str], model: str,
+            rnd: int) -> dict[str, Any]:
+    c, stream, generator = shape
+    seed = 1 + rnd * 1000 + c * 2 + stream  # each shape its own prompts, the same for both servers
+    if generator == "light":
+        got = light(url, c, stream, args.prompt_words, seed)
+    else:
+        got = aiperf(args.aiperf, args.tokenizer, url, model, c, stream, seed)
+    row = {"side": side, "clients": c, "stream": stream, "generator": generator, "round": rnd, **got}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+def serve_round(args: argparse.Namespace, clients: list[int], rnd: int) -> list[dict[str, Any]]:
+    """Both servers started fresh and left up for the round; every shape runs on one then at once on the
+    other (which goes first alternates by shape and round), so a pair is seconds apart, not the minutes a
+    round takes: this host's speed drifts by a fifth within minutes."""
+    import httpx
+
+    servers = {side: start(side, args.model, args.llama_bin) for side in ("twinfer", "llama-server")}
     rows = []
     try:
-        import httpx
-
-        model_id.setdefault(side, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
-        for c in clients:
-            for stream in (False, True):
-                shape = {"side": side, "clients": c, "stream": stream}
-                seed = 1 + rnd * 1000 + c * 2 + stream
-                rows.append({**shape, "generator": "light", **light(url, c, stream, args.prompt_words, seed)})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-                if args.aiperf and rnd < args.aiperf_rounds:
-                    rows.append({**shape, "generator": "aiperf",
-                                 **aiperf(args.aiperf, args.tokenizer, url, model_id[side], c, stream, seed)})
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        model = {side: httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+                 for side, (_, url) in servers.items()}
+        for i, shape in enumerate(shapes(clients, bool(args.aiperf) and rnd < args.aiperf_rounds)):
+            order = ("twinfer", "llama-server") if (i + rnd) % 2 == 0 else ("llama-server", "twinfer")
+            rows += [measure(side, servers[side][1], args, shape, model[side], rnd) for side in order]
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
     return rows
 
 
@@ -163,12 +181,8 @@ def main() -> None:
     every = [int(c) for c in args.clients.split(",") if c]
     once = [int(c) for c in args.once_clients.split(",") if c]
     rows: list[dict[str, Any]] = []
-    model_id: dict[str, str] = {}
     for rnd in range(args.rounds):
-        order = ["twinfer", "llama-server"] if rnd % 2 == 0 else ["llama-server", "twinfer"]
-        for side in order:
-            clients = sorted(set(every + (once if rnd == 0 else [])))
-            rows += [{**r, "round": rnd} for r in serve_round(side, args, clients, model_id, rnd)]
+        rows += serve_round(args, sorted(set(every + (once if rnd == 0 else []))), rnd)
     report = {"hardware": hardware_info(), "model": str(args.model), "prompt_tokens": PROMPT_TOKENS,
               "output_tokens": OUTPUT_TOKENS, "runs": rows, "ratios": ratios(rows)}
     text = json.dumps(report, indent=1)

@@ -20,25 +20,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf_convert import _cache_root
+from budget_child import ROOT, run_child, tiny_moe_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
 # llama.cpp's context and thread pool, the engine's buffers, huge-page rounding: fixed costs the planner keeps
 # in its interpreter overhead (planners/memory.py LOCAL_OVERHEAD), 11 MB measured on this model
 FIXED = 16 * MB
 
-_STATUS = """
-def status():
-    out = {}
-    for line in open('/proc/self/status'):
-        key, _, value = line.partition(':')
-        if key in ('VmHWM', 'VmRSS', 'RssAnon', 'RssFile'):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-"""
-
-_SESSION = _STATUS + """
+_SESSION = """
 import json, sys
 from twinfer.app import OpenOptions, open_session
 from twinfer.backends.llamacpp._lib import load_llama_cpp
@@ -55,7 +44,7 @@ print(json.dumps(dict(base=base, end=status(), tokens=out[0].token_ids, ctx=sess
                       summary=session.strategy.summary() if session.strategy else None)))
 """
 
-_RUNNER = _STATUS + """
+_RUNNER = """
 import json, sys
 from twinfer.backends.llamacpp.options import LlamaCppOptions
 from twinfer.backends.llamacpp.runner import LlamaCppRunner
@@ -79,24 +68,9 @@ print(json.dumps(dict(base=base, end=status(), tokens=tokens, max_rss=max(rss), 
 """
 
 
-def _child(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
-    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
-                            cwd=ROOT, env={**os.environ, **(env or {})})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def moe_gguf() -> Path:
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("transformers")
-    if not Path("/proc/self/status").exists():
-        pytest.skip("needs /proc to measure a process's memory")
-    from moe_gguf import write_qwen3_moe_gguf
-
-    folder = _cache_root() / "budget-gguf"
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_qwen3_moe_gguf(folder, "tiny")
+    return tiny_moe_gguf()
 
 
 def test_half_budget_holds_from_the_os(moe_gguf: Path, tmp_path: Path) -> None:
@@ -104,20 +78,20 @@ def test_half_budget_holds_from_the_os(moe_gguf: Path, tmp_path: Path) -> None:
     size = moe_gguf.stat().st_size
     budget = size // 2
     env = {"TWINFER_CACHE": str(tmp_path)}
-    capped = _child(_SESSION, str(moe_gguf), str(budget), env=env)
+    capped = run_child(_SESSION, str(moe_gguf), str(budget), env=env)
     grown = capped["end"]["VmHWM"] - capped["base"]["VmRSS"]
     assert grown <= budget + FIXED, (grown / MB, capped["summary"])
     assert "memory budget" in capped["summary"] and "KL" in capped["summary"]  # what was chosen, and its cost
-    whole = _child(_SESSION, str(moe_gguf), "none", env=env)
+    whole = run_child(_SESSION, str(moe_gguf), "none", env=env)
     assert whole["end"]["VmHWM"] - whole["base"]["VmRSS"] > size  # the model as stored does not fit: a real test
 
 
 def test_paged_experts_are_lossless_and_bounded(moe_gguf: Path) -> None:
     """Mapped with experts paged under a 6 MB bound: the same greedy tokens as the model loaded whole, and
     between steps the process holds the dense weights, the bound and a step's experts, not the file."""
-    whole = _child(_RUNNER, str(moe_gguf), "none")
+    whole = run_child(_RUNNER, str(moe_gguf), "none")
     bound = 6 * MB
-    paged = _child(_RUNNER, str(moe_gguf), str(bound))
+    paged = run_child(_RUNNER, str(moe_gguf), str(bound))
     assert paged["tokens"] == whole["tokens"] and len(set(whole["tokens"])) > 1
     pager = paged["pager"]
     assert pager["experts_mb"] > 0.9 * moe_gguf.stat().st_size / MB and pager["trims"] > 1

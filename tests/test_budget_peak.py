@@ -14,27 +14,15 @@ process's growth over its baseline (interpreter, libraries, tokenizer):
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from gguf_convert import _cache_root
+from budget_child import run_child, tiny_moe_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
 HOST = "kind=cpu,memory=16GB,bandwidth=20GB/s,vector=0.2TFLOPS,cores=2,storage=3GB/s"
 
 _SCRIPT = """
 import json, sys
-def status():
-    out = {}
-    for line in open('/proc/self/status'):
-        key, _, value = line.partition(':')
-        if key in ('VmHWM', 'VmRSS', 'RssAnon', 'RssFile'):
-            out[key] = int(value.split()[0]) * 1024
-    return out
 from twinfer.app import OpenOptions, open_session
 from twinfer.backends.llamacpp._lib import load_llama_cpp
 from twinfer.planners.describe import resolve_cluster
@@ -61,22 +49,11 @@ print(json.dumps(dict(peak=status()['VmHWM'] - base['VmRSS'], held=max(held), pr
 
 @pytest.fixture(scope="module")
 def moe_gguf() -> Path:
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("transformers")
-    if not Path("/proc/self/status").exists():
-        pytest.skip("needs /proc to measure a process's memory")
-    from moe_gguf import write_qwen3_moe_gguf
-
-    folder = _cache_root() / "budget-gguf"
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_qwen3_moe_gguf(folder, "tiny")
+    return tiny_moe_gguf()
 
 
 def _measure(model: Path, budget: int, cache: Path) -> dict:
-    result = subprocess.run([sys.executable, "-c", _SCRIPT, str(model), str(budget), HOST], capture_output=True,
-                            text=True, timeout=600, cwd=ROOT, env={**os.environ, "TWINFER_CACHE": str(cache)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child(_SCRIPT, str(model), str(budget), HOST, env={"TWINFER_CACHE": str(cache)})
 
 
 def test_requantized_peak_is_predicted(moe_gguf: Path, tmp_path: Path) -> None:

@@ -8,22 +8,14 @@ import math
 from pathlib import Path
 
 import pytest
-from gguf_convert import _cache_root
+from budget_child import tiny_moe_gguf
 
 MB = 2**20
 
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Path]:
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("transformers")
-    if not Path("/proc/self/pagemap").exists():
-        pytest.skip("needs /proc/self/pagemap to see which expert pages are mapped")
-    from moe_gguf import write_qwen3_moe_gguf
-
-    folder = _cache_root() / "budget-gguf"
-    folder.mkdir(parents=True, exist_ok=True)
-    return {r: write_qwen3_moe_gguf(folder, "tiny", routing=r) for r in ("random", "uniform")}
+    return {r: tiny_moe_gguf(r, needs="/proc/self/pagemap") for r in ("random", "uniform")}
 
 
 def test_uniform_routing_spreads_every_layer(models: dict[str, Path]) -> None:
