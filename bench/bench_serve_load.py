@@ -39,13 +39,18 @@ from twinfer.server.http_bench import HttpTraffic, run_http_bench  # noqa: E402
 PROMPT_TOKENS, OUTPUT_TOKENS = 100, 64
 
 
-def start(side: str, model: Path, bin_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """One server at its defaults (llama-server: 16 slots of 4,096 tokens, as `twinfer serve`)."""
+TWINFER_SERVE = (sys.executable, "-m", "twinfer.cli.main", "serve")
+
+
+def start(side: str, model: Path, bin_dir: Path,
+          serve: tuple[str, ...] = TWINFER_SERVE) -> tuple[subprocess.Popen[bytes], str]:
+    """One server at its defaults (llama-server: 16 slots of 4,096 tokens, as `twinfer serve`); `serve`:
+    the command that starts twinfer's, before its model and port."""
     import httpx
 
     port = _free_port()
     if side == "twinfer":
-        cmd = [sys.executable, "-m", "twinfer.cli.main", "serve", str(model), "--port", str(port)]
+        cmd = [*serve, str(model), "--port", str(port)]
     else:
         cmd = peer([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16",
                     "-c", str(16 * 4096), "--no-webui"])

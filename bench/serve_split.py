@@ -3,8 +3,9 @@ inside it, and `llama-server` with its own per-request timings, the same prompts
 
     python bench/serve_split.py --llama-bin DIR [--model M.gguf] [--runs 4] [--clients 16]
 
-Each run sends one warm-up request, then `--clients` requests at once (~100-word prompts, 64 tokens,
-`ignore_eos`), non-streamed and streamed in turn. For twinfer it prints the share of the run's wall time
+Each run sends one warm-up request, then `--clients` requests at once (20-word prompts, about 100 tokens
+with a byte-level tokenizer; 64 tokens, `ignore_eos`): twinfer's runs non-streamed and streamed in turn,
+llama-server's non-streamed (its timings come in the response body). For twinfer it prints the share of the run's wall time
 spent in llama.cpp's decode calls and the prompt steps' tokens and seconds; for llama-server the longest
 `prompt_ms` (the batched prefill, as its slots report it). Prints one JSON object per run.
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,11 +24,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_engine import _free_port  # noqa: E402
-from bench_peers import peer  # noqa: E402
+from bench_serve_load import start  # noqa: E402
 
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
-from twinfer.server.http_bench import HttpTraffic, bench_prompt, run_http_bench  # noqa: E402
+from twinfer.server.http_bench import HttpTraffic, bench_prompt, prompt_key, run_http_bench  # noqa: E402
 
 OUTPUT_TOKENS, WORDS = 64, 20
 
@@ -66,24 +65,9 @@ def serve_timed(out: str, argv: list[str]) -> None:
     app()
 
 
-def up(cmd: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
-    import httpx
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    while proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise SystemExit(f"{cmd[0]} exited before it served: {log}")
-
-
 def twinfer_runs(model: Path, runs: int, clients: int, folder: Path) -> list[dict[str, Any]]:
-    port = _free_port()
-    url, out = f"http://127.0.0.1:{port}", folder / "decode-calls.json"
-    proc = up([sys.executable, __file__, "--serve-timed", str(out), str(model), "--port", str(port)], url,
-              folder / "twinfer.log")
+    out = folder / "decode-calls.json"
+    proc, url = start("twinfer", model, Path(), serve=(sys.executable, __file__, "--serve-timed", str(out)))
     windows = []
     try:
         for i in range(runs):
@@ -106,13 +90,10 @@ def twinfer_runs(model: Path, runs: int, clients: int, folder: Path) -> list[dic
     return rows
 
 
-def llama_server_runs(model: Path, bin_dir: Path, runs: int, clients: int, folder: Path) -> list[dict[str, Any]]:
+def llama_server_runs(model: Path, bin_dir: Path, runs: int, clients: int) -> list[dict[str, Any]]:
     import httpx
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = up(peer([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-np", "16", "-c",
-                    str(16 * 4096), "--no-webui"]), url, folder / "llama-server.log")
+    proc, url = start("llama-server", model, bin_dir)
 
     async def one(client: httpx.AsyncClient, prompt: str, tokens: int) -> dict[str, Any]:
         body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
@@ -122,7 +103,7 @@ def llama_server_runs(model: Path, bin_dir: Path, runs: int, clients: int, folde
         async with httpx.AsyncClient(timeout=600) as client:
             await one(client, bench_prompt(WORDS, -1 - seed), 4)
             started = time.perf_counter()
-            prompts = [bench_prompt(WORDS, 1_000_003 * clients + 1009 * w + 7_919_000_017 * seed) for w in range(clients)]
+            prompts = [bench_prompt(WORDS, prompt_key(clients, w, 0, seed)) for w in range(clients)]
             outs = await asyncio.gather(*(one(client, p, OUTPUT_TOKENS) for p in prompts))
             wall = time.perf_counter() - started
         timings = [o["timings"] for o in outs]
@@ -151,7 +132,7 @@ def main() -> None:
     model = args.model or Path(default_model_path())
     with tempfile.TemporaryDirectory() as folder:
         rows = twinfer_runs(model, args.runs, args.clients, Path(folder))
-        rows += llama_server_runs(model, args.llama_bin, args.runs, args.clients, Path(folder))
+        rows += llama_server_runs(model, args.llama_bin, args.runs, args.clients)
     print(json.dumps({"model": str(model), "clients": args.clients, "runs": rows}, indent=1))
 
 

@@ -38,6 +38,11 @@ class Sample:
     prompt_tokens: int
 
 
+def prompt_key(clients: int, worker: int, i: int, seed: int) -> int:
+    """The `bench_prompt` key of request `i` of `worker` in a level of `clients` (another seed, other prompts)."""
+    return 1_000_003 * clients + 1009 * worker + i + 7_919_000_017 * seed
+
+
 def bench_prompt(prompt_tokens: int, key: int) -> str:
     """About `prompt_tokens` tokens of common words, different for every key (no shared prefix)."""
     rng = random.Random(key)
@@ -131,7 +136,7 @@ async def _level(client: Any, model: str, c: int, per_client: int, prompt_tokens
 
     async def worker(w: int) -> None:
         for i in range(per_client):
-            prompt = bench_prompt(prompt_tokens, 1_000_003 * c + 1009 * w + i + 7_919_000_017 * seed)
+            prompt = bench_prompt(prompt_tokens, prompt_key(c, w, i, seed))
             samples.append(await _one(client, model, prompt, output_tokens, extra))
 
     started, cpu = time.perf_counter(), time.process_time()
