@@ -6,6 +6,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -73,6 +74,16 @@ def test_the_probe_reads_a_death_by_signal_as_a_crash(code, verdict):
     assert amx.probe_child(command=[sys.executable, "-c", code]) == verdict
 
 
+def test_a_probe_killed_mid_write_leaves_no_folder(tmp_path, monkeypatch):
+    """The child is killed by the kernels it probes: the scratch folder it wrote into must still go (one was
+    left in the temporary folder per crash)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = ("import os, signal, sys; open(os.path.join(sys.argv[1], 'probe.gguf'), 'wb').write(b'GGUF'); "
+            "os.kill(os.getpid(), signal.SIGSEGV)")
+    assert amx.probe_child(command=[sys.executable, "-c", code]) == "crash"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_filter_program_denies_only_the_amx_request():
     prog = amx.filter_program()
     # every jump lands inside the program, and the two outcomes are EPERM and allow
@@ -126,9 +137,10 @@ def test_deny_reads_only_its_own_arguments():
 
 
 @linux_x86
-def test_the_probe_model_decodes_under_the_filter():
+def test_the_probe_model_decodes_under_the_filter(tmp_path):
     out = subprocess.run([sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--deny", "--", sys.executable, "-m",
-                          "twinfer.backends.llamacpp.amx", "--probe"], capture_output=True, text=True, timeout=120)
+                          "twinfer.backends.llamacpp.amx", "--probe", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert "twinfer-amx-probe: decoded" in out.stdout
 

@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -117,15 +118,18 @@ def _verdict_file() -> Path:
 
 
 def probe_child(timeout_s: float = 180.0, command: list[str] | None = None) -> str:
-    """Run one AMX-sized batch through llama.cpp in a child process: "ok", "crash", or "unknown"."""
+    """Run one AMX-sized batch through llama.cpp in a child process: "ok", "crash", or "unknown". The
+    child gets a scratch folder as its last argument."""
     if command is None and not amx_request_allowed():
         return "unknown"  # this process (and so the child) runs under a filter: nothing can be learned
     env = {**os.environ, ENV: "on"}  # the child runs the kernels as they are
     command = command or [sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--probe"]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+    # The folder is this process's: a child killed by the kernels it probes removes nothing.
+    with tempfile.TemporaryDirectory(prefix="twinfer-amx-") as folder:
+        try:
+            done = subprocess.run([*command, folder], env=env, capture_output=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            return "unknown"
     if done.returncode == 0 or _DECODED in done.stdout.decode(errors="replace"):
         return "ok"  # the batch ran (what happens after it, at interpreter exit, is not the kernels)
     return "crash" if done.returncode < 0 else "unknown"  # killed by a signal: SIGILL / SIGSEGV
@@ -209,10 +213,9 @@ def _exec_denied(argv: list[str]) -> None:
     os.execvp(argv[0], argv)
 
 
-def _probe_main() -> int:
-    """In the child: the probe model with llama.cpp's extra buffer types, one 32-token batch."""
-    import tempfile
-
+def _probe_main(folder: Path) -> int:
+    """In the child: the probe model, written into `folder`, with llama.cpp's extra buffer types, one
+    32-token batch."""
     from llama_cpp import llama_cpp as lib
 
     from twinfer.backends.llamacpp._lib import set_quiet
@@ -220,34 +223,33 @@ def _probe_main() -> int:
 
     lib.llama_backend_init()
     set_quiet(lib, True)
-    with tempfile.TemporaryDirectory(prefix="twinfer-amx-") as folder:
-        path = Path(folder) / "probe.gguf"
-        write_probe_gguf(path)
-        params = lib.llama_model_default_params()
-        if hasattr(params, "use_extra_bufts"):
-            params.use_extra_bufts = True
-        model = lib.llama_model_load_from_file(str(path).encode(), params)
-        if not model:
-            return 2
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 256, 64, 64
-        ctx = lib.llama_init_from_model(model, cparams)
-        if not ctx:
-            return 2
-        tokens = (ctypes.c_int32 * 32)(*range(3, 35))  # held here: the batch only points at it
-        if lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 32)) != 0:
-            return 2
-        print(_DECODED, flush=True)
-        return 0
+    path = folder / "probe.gguf"
+    write_probe_gguf(path)
+    params = lib.llama_model_default_params()
+    if hasattr(params, "use_extra_bufts"):
+        params.use_extra_bufts = True
+    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        return 2
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 256, 64, 64
+    ctx = lib.llama_init_from_model(model, cparams)
+    if not ctx:
+        return 2
+    tokens = (ctypes.c_int32 * 32)(*range(3, 35))  # held here: the batch only points at it
+    if lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 32)) != 0:
+        return 2
+    print(_DECODED, flush=True)
+    return 0
 
 
 if __name__ == "__main__":
     own = sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:]  # after "--": the command's
-    if own == ["--probe"]:
-        sys.exit(_probe_main())
+    if len(own) == 2 and own[0] == "--probe" and Path(own[1]).is_dir():
+        sys.exit(_probe_main(Path(own[1])))
     elif own == ["--deny"] and "--" in sys.argv and sys.argv[-1] != "--":
         _exec_denied(sys.argv[sys.argv.index("--") + 1:])
     elif own == ["--verdict"]:
         print(amx_verdict())
     else:
-        sys.exit("usage: python -m twinfer.backends.llamacpp.amx --verdict | --probe | --deny -- CMD [ARGS]")
+        sys.exit("usage: python -m twinfer.backends.llamacpp.amx --verdict | --probe FOLDER | --deny -- CMD [ARGS]")
