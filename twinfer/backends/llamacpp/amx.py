@@ -118,13 +118,11 @@ def _verdict_file() -> Path:
 
 
 def probe_child(timeout_s: float = 180.0, command: list[str] | None = None) -> str:
-    """Run one AMX-sized batch through llama.cpp in a child process: "ok", "crash", or "unknown". The
-    child gets a scratch folder as its last argument."""
+    """Run one AMX-sized batch in a child, its last argument a folder this process removes: "ok", "crash", "unknown"."""
     if command is None and not amx_request_allowed():
         return "unknown"  # this process (and so the child) runs under a filter: nothing can be learned
     env = {**os.environ, ENV: "on"}  # the child runs the kernels as they are
     command = command or [sys.executable, "-m", "twinfer.backends.llamacpp.amx", "--probe"]
-    # The folder is this process's: a child killed by the kernels it probes removes nothing.
     with tempfile.TemporaryDirectory(prefix="twinfer-amx-") as folder:
         try:
             done = subprocess.run([*command, folder], env=env, capture_output=True, timeout=timeout_s)
@@ -214,8 +212,7 @@ def _exec_denied(argv: list[str]) -> None:
 
 
 def _probe_main(folder: Path) -> int:
-    """In the child: the probe model, written into `folder`, with llama.cpp's extra buffer types, one
-    32-token batch."""
+    """In the child: the probe model, written into `folder`, with extra buffer types, one 32-token batch."""
     from llama_cpp import llama_cpp as lib
 
     from twinfer.backends.llamacpp._lib import set_quiet
