@@ -170,6 +170,39 @@ def test_per_sequence_streams_decode_in_slot_order_and_reuse_the_lowest_slot(mon
         runner.release(seq)
 
 
+def test_a_step_over_scattered_slots_moves_them_into_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp cuts a streams step into ubatches of consecutive slots, each a pass over the weights. Rows
+    in slots 0, 2 and 3 (1 freed) become one run: the sequence in 3 moves to 1 (its stream copied), and its
+    rows there are the bits of the same sequences never moved; where a copy would cost more than the pass
+    it saves, nothing moves."""
+    runner = _opened(256, 8, False).runner
+    fill = runner._batch.fill  # noqa: SLF001
+    submitted: list[list[int]] = []
+    monkeypatch.setattr(runner._batch, "fill", lambda chunks, pieces, slots: (  # noqa: SLF001
+        submitted.append([slots[p.chunk] for p in pieces]), fill(chunks, pieces, slots))[1])
+    moved, kept, ref = [920, 921, 922, 923], [940, 941, 942, 943], [930, 932, 933]
+    for seq, p in zip(moved + ref, prompts()[:4] + [prompts()[i] for i in (0, 2, 3)], strict=True):
+        runner.step(StepBatch([SeqChunk(seq, p[:12], 0)]))
+    runner.release(921)
+    before = runner.slot_moves
+    rows = [runner.step(StepBatch([SeqChunk(s, [prompts()[i][12 + k]], 12 + k) for s, i in zip(seqs, (0, 2, 3),
+                                                                                                   strict=True)]))
+            for k in range(2) for seqs in ([920, 922, 923], ref)]
+    assert runner.slot_moves == before + 1 and [runner._slots[s] for s in (920, 922, 923)] == [0, 2, 1]  # noqa: SLF001
+    assert submitted[-4] == [0, 1, 2] and submitted[-3] == [4, 5, 6]  # one run each: one ubatch each
+    assert np.array_equal(rows[0], rows[1]) and np.array_equal(rows[2], rows[3])
+    for seq in (920, 922, 923, *ref):
+        runner.release(seq)
+    for seq, p in zip(kept, prompts()[:4], strict=True):
+        runner.step(StepBatch([SeqChunk(seq, p[:12], 0)]))
+    runner.release(941)
+    monkeypatch.setattr(runner, "_stream_bytes", runner._weight_bytes)  # noqa: SLF001
+    runner.step(StepBatch([SeqChunk(s, [prompts()[i][12]], 12) for s, i in zip((940, 942, 943), (0, 2, 3), strict=True)]))
+    assert [runner._slots[s] for s in (940, 942, 943)] == [0, 2, 3] and runner.slot_moves == before + 1  # noqa: SLF001
+    for seq in (940, 942, 943):
+        runner.release(seq)
+
+
 def test_default_mode_random_arrivals_tiny_pool_finish_without_leaks() -> None:
     rng = random.Random(5)
     e = engine(ctx=256, seqs=8, max_batch_tokens=48, max_prefill_chunk=24)  # 16 blocks of 16

@@ -218,6 +218,10 @@ class LlamaCppRunner(Runner):
         self._logits_key: tuple[int | None, int] | None = None  # (address, rows) of `_logits_view`
         self._logits_view = np.empty((0, self.n_vocab), np.float32)
         self._free_slots = list(range(max_seqs))  # a heap: the lowest free id first, so streams stay consecutive
+        self.slot_moves = 0  # sequences moved into another stream to keep a step's slots one run (_one_run)
+        self._weight_bytes = int(lib.llama_model_size(self._model))
+        per_token = self.spec.kv_bytes_per_token(KV_TYPE_BYTES[self.kv_type])
+        self._stream_bytes = int(per_token * (self.n_ctx // max_seqs))  # what moving a sequence copies
         self.traffic = self._traffic()
         self.kv_port = LlamaCppKVPort(self)
 
@@ -416,6 +420,7 @@ class LlamaCppRunner(Runner):
             "huge_page_weights_mb": round(self.huge_page_bytes / 2**20),  # 0: mapped or on 4 KiB pages
             "huge_page_context_mb": round(self.huge_page_context_bytes / 2**20),  # the KV cache's, mostly
             "paged_experts": self.pager.describe() if self.pager is not None else None,  # paging.py
+            "slot_moves": self.slot_moves,
             "amx": self.amx,  # none | on | denied (its kernels crash in this build: kept out) | repack-off
             "kv_type": self.kv_type,
             "unified_kv": self.unified_kv,
@@ -508,10 +513,40 @@ class LlamaCppRunner(Runner):
                 f"{new} new sequences but only {len(self._free_slots)} of max_seqs={self.kv.max_seqs} "
                 "llama.cpp slots are free; release finished sequences first"
             )
+        if not self.unified_kv and not self.kv.recurrent:
+            self._one_run(chunks)
         slots = [self._slot_for(c.seq_id) for c in chunks]
         rollback = [i for i, c in enumerate(chunks) if c.start < lengths[i]]
         self._truncate_to_starts([chunks[i] for i in rollback], [slots[i] for i in rollback])
         return slots
+
+    def _one_run(self, chunks: list[SeqChunk]) -> None:
+        """Streams: llama.cpp cuts a step into ubatches of consecutive slots, each a pass over the weights (rows
+        in slots 0-3 and 8-11 cost two). Give the step one run of slots: new sequences take free slots in it,
+        held ones outside it move in (a whole-stream copy) where that costs less than a step's extra passes."""
+        m, free = len(chunks), set(self._free_slots)
+        mine = {self._slots[c.seq_id] for c in chunks if c.seq_id in self._slots}
+        new = [c.seq_id for c in chunks if c.seq_id not in self._slots]
+        anyway = sorted(mine | set(heapq.nsmallest(len(new), self._free_slots)))
+        if m < 2 or anyway[-1] - anyway[0] == m - 1:
+            return
+        starts = [lo for lo in range(self.kv.max_seqs - m + 1) if free | mine >= set(range(lo, lo + m))]
+        if not starts:
+            return  # slots of sequences outside the step split every run
+        lo = min(starts, key=lambda lo: (sum(not lo <= s < lo + m for s in mine), lo))
+        outside = sorted(s for s in mine if not lo <= s < lo + m)
+        runs = 1 + sum(b != a + 1 for a, b in zip(anyway, anyway[1:], strict=False))
+        if 2 * len(outside) * self._stream_bytes > (runs - 1) * self._weight_bytes:
+            return  # the copies (read and written once) would cost more than the passes they save in a step
+        room = sorted(free & set(range(lo, lo + m)))
+        owner = {slot: seq for seq, slot in self._slots.items()}
+        for src, dst in zip(outside, room, strict=False):
+            self._mem.seq_cp(src, dst, -1, -1)  # llama.cpp copies the stream at the next llama_decode
+            self._mem.seq_rm(src, -1, -1)
+            self._slots[owner[src]] = dst
+        self._slots.update(zip(new, room[len(outside):], strict=True))
+        self._free_slots = sorted((free - set(room)) | set(outside))  # a sorted list is a heap
+        self.slot_moves += len(outside)
 
     def _truncate_to_starts(self, chunks: list[SeqChunk], slots: list[int]) -> None:
         for c, slot in zip(chunks, slots, strict=True):
