@@ -203,6 +203,29 @@ def test_a_step_over_scattered_slots_moves_them_into_one_run(monkeypatch: pytest
         runner.release(seq)
 
 
+def test_a_kept_prefix_in_the_way_gives_its_slot_to_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished sequence kept for its prefix (slot 1) splits the next step's rows (slots 0, 2 and the new
+    request's 3): with copies priced out, the kept one is dropped and the new request takes slot 1."""
+    e = engine(ctx=256, seqs=8, unified=False)
+    runner = e.runner
+    monkeypatch.setattr(runner, "_stream_bytes", runner._weight_bytes)  # noqa: SLF001
+    short = replace(GREEDY, max_tokens=2)
+    a, b, c = (e.add_request(prompts()[i], GREEDY if i != 1 else short) for i in (0, 1, 2))
+    while not e.requests[b].finished:
+        e.step()
+    assert list(runner.kept.retained) == [e.requests[b].seq_id] and runner._slots[e.requests[b].seq_id] == 1  # noqa: SLF001
+    drops = runner.slot_drops
+    d = e.add_request(prompts()[3], short)
+    e.step()
+    assert runner.slot_drops == drops + 1 and not runner.kept.retained
+    assert sorted(runner._slots[e.requests[r].seq_id] for r in (a, c, d)) == [0, 1, 2]  # noqa: SLF001
+    while e.has_work:
+        e.step()
+        e.blocks.check()
+    assert all(len(e.requests[r].output) == e.requests[r].params.max_tokens for r in (a, b, c, d))
+    e.kv_sync.close()
+
+
 def test_default_mode_random_arrivals_tiny_pool_finish_without_leaks() -> None:
     rng = random.Random(5)
     e = engine(ctx=256, seqs=8, max_batch_tokens=48, max_prefill_chunk=24)  # 16 blocks of 16

@@ -219,6 +219,8 @@ class LlamaCppRunner(Runner):
         self._logits_view = np.empty((0, self.n_vocab), np.float32)
         self._free_slots = list(range(max_seqs))  # a heap: the lowest free id first, so streams stay consecutive
         self.slot_moves = 0  # sequences moved into another stream to keep a step's slots one run (_one_run)
+        self.slot_drops = 0  # kept sequences (prefix cache) whose slots a step's run took (_one_run)
+        self.kept: SlotKVSync | None = None  # the engine's KV sync, which keeps finished sequences' prefixes
         self._weight_bytes = int(lib.llama_model_size(self._model))
         per_token = self.spec.kv_bytes_per_token(KV_TYPE_BYTES[self.kv_type])
         self._stream_bytes = int(per_token * (self.n_ctx // max_seqs))  # what moving a sequence copies
@@ -250,7 +252,8 @@ class LlamaCppRunner(Runner):
 
     def kv_sync(self, blocks: BlockManager, slots: int, running: Callable[[], int]) -> KVSync:
         """Per-sequence slots follow the engine's blocks: prefix copies and kept sequences (slots.py)."""
-        return SlotKVSync(self, blocks, slots, running)
+        self.kept = SlotKVSync(self, blocks, slots, running)
+        return self.kept
 
     def _decode(self, batch: StepBatch, borrow: bool = False) -> np.ndarray:
         chunks = batch.chunks
@@ -421,6 +424,7 @@ class LlamaCppRunner(Runner):
             "huge_page_context_mb": round(self.huge_page_context_bytes / 2**20),  # the KV cache's, mostly
             "paged_experts": self.pager.describe() if self.pager is not None else None,  # paging.py
             "slot_moves": self.slot_moves,
+            "slot_drops": self.slot_drops,
             "amx": self.amx,  # none | on | denied (its kernels crash in this build: kept out) | repack-off
             "kv_type": self.kv_type,
             "unified_kv": self.unified_kv,
@@ -523,21 +527,40 @@ class LlamaCppRunner(Runner):
     def _one_run(self, chunks: list[SeqChunk]) -> None:
         """Streams: llama.cpp cuts a step into ubatches of consecutive slots, each a pass over the weights (rows
         in slots 0-3 and 8-11 cost two). Give the step one run of slots: new sequences take free slots in it,
-        held ones outside it move in (a whole-stream copy) where that costs less than a step's extra passes."""
+        held ones outside it move in (a whole-stream copy) where that costs less than a step's extra passes, and
+        kept sequences (prefix cache) in it are dropped, the fewest first."""
         m, free = len(chunks), set(self._free_slots)
         mine = {self._slots[c.seq_id] for c in chunks if c.seq_id in self._slots}
         new = [c.seq_id for c in chunks if c.seq_id not in self._slots]
         anyway = sorted(mine | set(heapq.nsmallest(len(new), self._free_slots)))
         if m < 2 or anyway[-1] - anyway[0] == m - 1:
             return
-        starts = [lo for lo in range(self.kv.max_seqs - m + 1) if free | mine >= set(range(lo, lo + m))]
+        kept = {self._slots[s]: s for s in self.kept.retained if s in self._slots} if self.kept is not None else {}
+        usable = free | mine | set(kept)
+        starts = [lo for lo in range(self.kv.max_seqs - m + 1) if usable >= set(range(lo, lo + m))]
         if not starts:
-            return  # slots of sequences outside the step split every run
-        lo = min(starts, key=lambda lo: (sum(not lo <= s < lo + m for s in mine), lo))
-        outside = sorted(s for s in mine if not lo <= s < lo + m)
+            return  # slots of running sequences outside the step split every run
+
         runs = 1 + sum(b != a + 1 for a, b in zip(anyway, anyway[1:], strict=False))
-        if 2 * len(outside) * self._stream_bytes > (runs - 1) * self._weight_bytes:
-            return  # the copies (read and written once) would cost more than the passes they save in a step
+        saved = (runs - 1) * self._weight_bytes  # the extra passes of one step
+
+        def moved(lo: int) -> set[int]:
+            return mine - set(range(lo, lo + m))
+
+        def cost(lo: int) -> tuple[int, int, int]:  # a kept prefix lost weighs more than a stream copied
+            return len(set(kept) & set(range(lo, lo + m))), len(moved(lo)), lo
+
+        # copies (read and written once) cheaper than the passes they save
+        affordable = [lo for lo in starts if 2 * len(moved(lo)) * self._stream_bytes <= saved]
+        if not affordable:
+            return
+        lo = min(affordable, key=cost)
+        outside = sorted(moved(lo))
+        for slot in sorted(set(kept) & set(range(lo, lo + m))):
+            assert self.kept is not None
+            self.kept.drop_kept(kept[slot])  # releases the slot into the free heap
+            self.slot_drops += 1
+        free = set(self._free_slots)
         room = sorted(free & set(range(lo, lo + m)))
         owner = {slot: seq for seq, slot in self._slots.items()}
         for src, dst in zip(outside, room, strict=False):

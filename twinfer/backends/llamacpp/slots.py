@@ -47,7 +47,7 @@ class SlotKVSync(KVSync):
             self.dropped(seq_id)
         evicted, self.evicted = self.evicted, set()
         for seq_id in evicted & set(self.retained):
-            self._drop_retained(seq_id)
+            self.drop_kept(seq_id)
         copies = []
         for seq_id, prefix_blocks in admitted:
             if prefix_blocks:
@@ -95,7 +95,7 @@ class SlotKVSync(KVSync):
 
     def close(self) -> None:
         for seq_id in list(self.retained):
-            self._drop_retained(seq_id)
+            self.drop_kept(seq_id)
 
     def _on_evict(self, block_id: int) -> None:
         owner = self.owner.pop(block_id, None)
@@ -109,7 +109,7 @@ class SlotKVSync(KVSync):
             if over <= 0:
                 break
             if seq_id not in keep:
-                self._drop_retained(seq_id)
+                self.drop_kept(seq_id)
                 over -= 1
 
     def _adopt(self, src: int, dst: int, num_tokens: int) -> None:
@@ -121,7 +121,8 @@ class SlotKVSync(KVSync):
             self.owner[block_id] = dst
         self.runner.adopt_prefix(src, dst, num_tokens)
 
-    def _drop_retained(self, seq_id: int) -> None:
+    def drop_kept(self, seq_id: int) -> None:
+        """Give a kept sequence's slot back (its cached blocks go with it)."""
         self.retained.pop(seq_id, None)
         self.dropped(seq_id)
 
