@@ -33,13 +33,14 @@ OUTPUT_TOKENS, WORDS = 64, 20
 
 
 def serve_timed(out: str, argv: list[str]) -> None:
-    """`twinfer serve ARGV` with each llama_decode call's (start, seconds, tokens) written to `out` at exit."""
+    """`twinfer serve ARGV` with each llama_decode call's (start, seconds, tokens, runs of consecutive sequence
+    ids: llama.cpp's ubatches over KV streams) written to `out` at exit."""
     import atexit
 
     from twinfer.backends.llamacpp import runner
     from twinfer.cli.main import app
 
-    calls: list[tuple[float, float, int]] = []
+    calls: list[tuple[float, float, int, int]] = []
     opened = runner.LlamaCppRunner.__init__
 
     def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -52,9 +53,11 @@ def serve_timed(out: str, argv: list[str]) -> None:
 
             @staticmethod
             def llama_decode(ctx: Any, batch: Any) -> int:
+                ids = sorted({batch.seq_id[i][0] for i in range(batch.n_tokens)})
+                runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:], strict=False))
                 t = time.perf_counter()
                 code = decode(ctx, batch)
-                calls.append((t, time.perf_counter() - t, int(batch.n_tokens)))
+                calls.append((t, time.perf_counter() - t, int(batch.n_tokens), runs))
                 return int(code)
 
         self._lib = Timed()
