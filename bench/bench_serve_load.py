@@ -90,14 +90,16 @@ def light(url: str, clients: int, stream: bool, words: int, seed: int) -> dict[s
             "ttft_p50_s": r["ttft_p50_s"], "requests": r["requests"], "prompt_tokens": r["prompt_tokens_mean"]}
 
 
-def aiperf(exe: str, tokenizer: str, url: str, model: str, clients: int, stream: bool, seed: int) -> dict[str, Any]:
+def aiperf(exe: str, tokenizer: str, url: str, model: str, clients: int, stream: bool, seed: int, *,
+           requests: int | None = None, output_stddev: int = 0, warmup: bool = True) -> dict[str, Any]:
+    """One AIPerf run: `requests` (default: per_client each) of 100-token prompts, 64 +- `output_stddev` tokens."""
     left = set(Path(tempfile.gettempdir()).glob("aiperf_mmap_*"))  # AIPerf leaves these behind
     with tempfile.TemporaryDirectory() as out:
         cmd = [exe, "profile", "--model-names", model, "--url", url, "--endpoint-type", "completions",
-               "--concurrency", str(clients), "--request-count", str(clients * per_client(clients)),
-               "--warmup-request-count", str(min(clients, 4)),
+               "--concurrency", str(clients), "--request-count", str(requests or clients * per_client(clients)),
+               *(["--warmup-request-count", str(min(clients, 4))] if warmup else []),
                "--prompt-input-tokens-mean", str(PROMPT_TOKENS), "--prompt-input-tokens-stddev", "0",
-               "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", "0",
+               "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", str(output_stddev),
                "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--tokenizer", tokenizer, "--output-artifact-dir", out,
                "--ui-type", "none", "--random-seed", str(seed), "--no-server-metrics", "--no-gpu-telemetry",
                *(["--streaming"] if stream else [])]
@@ -110,8 +112,8 @@ def aiperf(exe: str, tokenizer: str, url: str, model: str, clients: int, stream:
     for folder in set(Path(tempfile.gettempdir()).glob("aiperf_mmap_*")) - left:
         shutil.rmtree(folder, ignore_errors=True)
     throughput = stats.get("output_token_throughput") or {}
-    ttft = stats.get("time_to_first_token") or {}
-    return {"tok_s": throughput.get("avg"), "ttft_p50_ms": ttft.get("p50"),
+    ttft, latency = stats.get("time_to_first_token") or {}, stats.get("request_latency") or {}
+    return {"tok_s": throughput.get("avg"), "ttft_p50_ms": ttft.get("p50"), "latency_p50_ms": latency.get("p50"),
             "requests": (stats.get("request_count") or {}).get("avg"), "run_s": time.perf_counter() - started}
 
 

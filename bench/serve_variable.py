@@ -3,7 +3,7 @@ clients, ~100-token prompts, 64 +- 32 new tokens with `ignore_eos` (requests fin
 sequences come and go in the KV streams), each server at its defaults.
 
     python bench/serve_variable.py --llama-bin DIR --aiperf PATH --tokenizer DIR [--model M.gguf]
-        [--clients 8] [--requests 32] [--rounds 2] [--before CHECKOUT]
+        [--clients 8] [--requests 32] [--rounds 2] [--stream] [--before CHECKOUT]
 
 `--before` also runs the twinfer of another checkout (a `git worktree` of an earlier revision), imported
 from there. Twinfer's servers run with each `llama_decode` call recorded (`serve_split.py`), so each run
@@ -24,47 +24,27 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_serve_load import start  # noqa: E402
+from bench_serve_load import aiperf, start  # noqa: E402
 
 from twinfer.runtime.loaders import default_model_path  # noqa: E402
 
 SPLIT = str(Path(__file__).parent / "serve_split.py")
 
 
-def aiperf(args: argparse.Namespace, url: str, seed: int) -> dict[str, Any]:
-    import glob
-    import os
-    import subprocess
-
+def one(side: str, args: argparse.Namespace, seed: int, folder: Path) -> dict[str, Any]:
     import httpx
 
-    name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [args.aiperf, "profile", "--model-names", name, "--url", url, "--endpoint-type", "completions",
-               "--concurrency", str(args.clients), "--request-count", str(args.requests),
-               "--prompt-input-tokens-mean", "100", "--prompt-input-tokens-stddev", "0",
-               "--prompt-output-tokens-mean", "64", "--prompt-output-tokens-stddev", "32",
-               "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--tokenizer", args.tokenizer,
-               "--output-artifact-dir", out, "--ui-type", "none", "--random-seed", str(seed),
-               "--no-server-metrics", "--no-gpu-telemetry"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                              env={**os.environ, "AIPERF_TIMING_HIGH_RES_TIMER": "false"})
-        files = glob.glob(out + "/**/profile_export_aiperf.json", recursive=True)
-        if not files:
-            raise SystemExit(f"aiperf failed ({done.returncode}): {done.stderr[-2000:]}")
-        stats = json.loads(Path(files[0]).read_text())
-    return {"tok_s": stats["output_token_throughput"]["avg"],
-            "latency_p50_s": stats["request_latency"]["p50"] / 1e3}
-
-
-def one(side: str, args: argparse.Namespace, seed: int, folder: Path) -> dict[str, Any]:
     calls = folder / f"{side}-{seed}.json"
     timed = (sys.executable, SPLIT, "--serve-timed", str(calls))
     serve = ("env", f"PYTHONPATH={args.before}", *timed) if side == "twinfer-before" else timed
     proc, url = start("llama-server" if side == "llama-server" else "twinfer", args.model, args.llama_bin,
                       serve=serve)
     try:
-        row = {"side": side, "seed": seed, **aiperf(args, url, seed)}
+        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        got = aiperf(args.aiperf, args.tokenizer, url, name, args.clients, args.stream, seed, requests=args.requests,
+                     output_stddev=32, warmup=False)
+        row = {"side": side, "seed": seed, "stream": args.stream, "tok_s": got["tok_s"],
+               "latency_p50_s": got["latency_p50_ms"] / 1e3}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -85,6 +65,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--stream", action="store_true", help="streamed requests (default: non-streamed)")
     ap.add_argument("--before", type=Path, default=None, help="another checkout's twinfer, run beside this one")
     args = ap.parse_args()
     args.model = args.model or Path(default_model_path())
