@@ -537,31 +537,25 @@ class LlamaCppRunner(Runner):
             return
         kept = {self._slots[s]: s for s in self.kept.retained if s in self._slots} if self.kept is not None else {}
         usable = free | mine | set(kept)
-        starts = [lo for lo in range(self.kv.max_seqs - m + 1) if usable >= set(range(lo, lo + m))]
-        if not starts:
+        windows = [w for lo in range(self.kv.max_seqs - m + 1) if usable >= (w := set(range(lo, lo + m)))]
+        if not windows:
             return  # slots of running sequences outside the step split every run
 
         runs = 1 + sum(b != a + 1 for a, b in zip(anyway, anyway[1:], strict=False))
         saved = (runs - 1) * self._weight_bytes  # the extra passes of one step
-
-        def moved(lo: int) -> set[int]:
-            return mine - set(range(lo, lo + m))
-
-        def cost(lo: int) -> tuple[int, int, int]:  # a kept prefix lost weighs more than a stream copied
-            return len(set(kept) & set(range(lo, lo + m))), len(moved(lo)), lo
-
         # copies (read and written once) cheaper than the passes they save
-        affordable = [lo for lo in starts if 2 * len(moved(lo)) * self._stream_bytes <= saved]
+        affordable = [w for w in windows if 2 * len(mine - w) * self._stream_bytes <= saved]
         if not affordable:
             return
-        lo = min(affordable, key=cost)
-        outside = sorted(moved(lo))
-        for slot in sorted(set(kept) & set(range(lo, lo + m))):
+        # a kept prefix lost weighs more than a stream copied; then the lowest slots
+        window = min(affordable, key=lambda w: (len(w & kept.keys()), len(mine - w), min(w)))
+        outside = sorted(mine - window)
+        for slot in sorted(window & kept.keys()):
             assert self.kept is not None
             self.kept.drop_kept(kept[slot])  # releases the slot into the free heap
             self.slot_drops += 1
         free = set(self._free_slots)
-        room = sorted(free & set(range(lo, lo + m)))
+        room = sorted(free & window)
         owner = {slot: seq for seq, slot in self._slots.items()}
         for src, dst in zip(outside, room, strict=False):
             self._mem.seq_cp(src, dst, -1, -1)  # llama.cpp copies the stream at the next llama_decode
