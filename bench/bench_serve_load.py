@@ -5,6 +5,7 @@ parameters (each server's own defaults).
 
     python bench/bench_serve_load.py --llama-bin DIR [--model M.gguf] [--rounds 3] [--aiperf PATH]
         [--tokenizer DIR] [--clients 16] [--once-clients 1,64] [--prompt-words 100] [--out FILE.json]
+        [--generators light,aiperf] [--modes plain,stream]
 
 Each round starts both servers fresh and runs every shape on one and then on the other, back to back
 (the first alternates by shape and round), so each pair is measured within a minute. `--clients` run every round, `--once-clients` in the first round only. AIPerf runs
@@ -117,10 +118,12 @@ def aiperf(exe: str, tokenizer: str, url: str, model: str, clients: int, stream:
             "requests": (stats.get("request_count") or {}).get("avg"), "run_s": time.perf_counter() - started}
 
 
-def shapes(clients: list[int], with_aiperf: bool) -> list[tuple[int, bool, str]]:
+def shapes(clients: list[int], with_aiperf: bool, generators: str = "light,aiperf",
+           modes: str = "plain,stream") -> list[tuple[int, bool, str]]:
     """(clients, streamed, generator) of one round, in the order they run."""
-    gens = ["light", "aiperf"] if with_aiperf else ["light"]
-    return [(c, stream, g) for c in clients for stream in (False, True) for g in gens]
+    gens = [g for g in generators.split(",") if g == "light" or (g == "aiperf" and with_aiperf)]
+    streams = [m == "stream" for m in modes.split(",")]
+    return [(c, stream, g) for c in clients for stream in streams for g in gens]
 
 
 def measure(side: str, url: str, args: argparse.Namespace, shape: tuple[int, bool, str], model: str,
@@ -147,7 +150,8 @@ def serve_round(args: argparse.Namespace, clients: list[int], rnd: int) -> list[
     try:
         model = {side: httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
                  for side, (_, url) in servers.items()}
-        for i, shape in enumerate(shapes(clients, bool(args.aiperf) and rnd < args.aiperf_rounds)):
+        for i, shape in enumerate(shapes(clients, bool(args.aiperf) and rnd < args.aiperf_rounds,
+                                          args.generators, args.modes)):
             order = ("twinfer", "llama-server") if (i + rnd) % 2 == 0 else ("llama-server", "twinfer")
             rows += [measure(side, servers[side][1], args, shape, model[side], rnd) for side in order]
     finally:
@@ -180,6 +184,8 @@ def main() -> None:
     ap.add_argument("--aiperf-rounds", type=int, default=1_000_000, help="AIPerf runs in the first N rounds only")
     ap.add_argument("--prompt-words", type=int, default=PROMPT_TOKENS,
                     help="the light client's prompt length in words (about a token each with a real tokenizer)")
+    ap.add_argument("--generators", default="light,aiperf", help="which of light,aiperf run (aiperf needs --aiperf)")
+    ap.add_argument("--modes", default="plain,stream", help="which of plain (non-streamed),stream run")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--requests", type=int, default=TOTAL_REQUESTS, help="about this many requests a shape")
     args = ap.parse_args()
