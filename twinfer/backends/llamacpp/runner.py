@@ -543,12 +543,11 @@ class LlamaCppRunner(Runner):
 
         runs = 1 + sum(b != a + 1 for a, b in zip(anyway, anyway[1:], strict=False))
         saved = (runs - 1) * self._weight_bytes  # the extra passes of one step
-        # copies (read and written once) cheaper than the passes they save
         affordable = [w for w in windows if 2 * len(mine - w) * self._stream_bytes <= saved]
         if not affordable:
             return
-        # a kept prefix lost weighs more than a stream copied; then the lowest slots
-        window = min(affordable, key=lambda w: (len(w & kept.keys()), len(mine - w), min(w)))
+        window = min(affordable,  # fewest kept prefixes lost, then fewest streams moved, then the lowest slots
+                     key=lambda w: (len(w & kept.keys()), len(mine - w), min(w)))
         outside = sorted(mine - window)
         for slot in sorted(window & kept.keys()):
             assert self.kept is not None
