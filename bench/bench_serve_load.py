@@ -189,6 +189,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--requests", type=int, default=TOTAL_REQUESTS, help="about this many requests a shape")
     args = ap.parse_args()
+    for flag, given, known in (("--generators", args.generators, {"light", "aiperf"}),
+                               ("--modes", args.modes, {"plain", "stream"})):
+        if not set(given.split(",")) <= known:
+            ap.error(f"{flag} takes a comma-separated subset of {','.join(sorted(known))}, not {given!r}")
     set_total(args.requests)
     args.model = args.model or Path(default_model_path())
     every = [int(c) for c in args.clients.split(",") if c]
